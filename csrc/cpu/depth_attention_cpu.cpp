@@ -1,0 +1,397 @@
+// CPU kernels of attnres::depth_attention_{fwd,bwd}.
+//
+// One token at a time, fused: each source row is read once from memory (the
+// second touch of a row hits L1/L2), keys are never materialized and the
+// sources are never stacked. Rows are vectorized with at::vec, tokens run in
+// parallel with at::parallel_for, and all accumulation is in fp32 (fp64 for
+// fp64). The per-source scalar math comes from attnres/depth_math.h, shared
+// with the CUDA kernels.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attnres/checks.h"
+#include "attnres/depth_math.h"
+
+namespace attnres {
+namespace cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// Built with AVX2 code paths (see setup.py / CMakeLists.txt): refuse to run
+// on a CPU without them rather than die on an illegal instruction.
+void check_cpu_capability() {
+#if defined(CPU_CAPABILITY_AVX2)
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  TORCH_CHECK(ok,
+              "attnres was built with AVX2 CPU kernels (ATTNRES_CPU_ARCH="
+              "avx2) but this CPU lacks AVX2/FMA; rebuild with "
+              "ATTNRES_CPU_ARCH=default");
+#endif
+}
+
+// Loads/stores one step of a row as opmath vectors: one vector for
+// float/double, two float vectors for bf16/fp16.
+template <typename scalar_t>
+struct Lanes {
+  using acc_t = at::opmath_type<scalar_t>;
+  using AVec = Vectorized<acc_t>;
+  static constexpr bool kReduced =
+      at::vec::is_reduced_floating_point_v<scalar_t>;
+  static constexpr int kParts = kReduced ? 2 : 1;
+  static constexpr int64_t kStep = AVec::size() * kParts;
+
+  static void load(const scalar_t* p, AVec (&v)[kParts]) {
+    if constexpr (kReduced) {
+      at::vec::load_to_float<scalar_t>(p, v[0], v[1]);
+    } else {
+      v[0] = AVec::loadu(p);
+    }
+  }
+  static void store(scalar_t* p, const AVec (&v)[kParts]) {
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
+    } else {
+      v[0].store(p);
+    }
+  }
+};
+
+template <typename acc_t>
+acc_t hsum(const Vectorized<acc_t>& v) {
+  return at::vec::vec_reduce_all<acc_t>(
+      [](Vectorized<acc_t>& a, Vectorized<acc_t>& b) { return a + b; }, v);
+}
+
+// sum(v*v) and sum(x*v) over one row, in one pass.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_sumsq_dot(const scalar_t* v, const acc_t* x, int64_t D, acc_t& sumsq,
+                   acc_t& dot) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  AVec ss(0), dx(0);
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec vv[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      ss = at::vec::fmadd(vv[k], vv[k], ss);
+      dx = at::vec::fmadd(AVec::loadu(x + j + k * AVec::size()), vv[k], dx);
+    }
+  }
+  acc_t s = hsum(ss), d = hsum(dx);
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    s += vj * vj;
+    d += x[j] * vj;
+  }
+  sumsq = s;
+  dot = d;
+}
+
+// sum(x*v) and sum(y*v) over one row, in one pass.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_dot2(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
+              acc_t& dot_x, acc_t& dot_y) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  AVec dx(0), dy(0);
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec vv[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t o = j + k * AVec::size();
+      dx = at::vec::fmadd(AVec::loadu(x + o), vv[k], dx);
+      dy = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy);
+    }
+  }
+  acc_t a = hsum(dx), b = hsum(dy);
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    a += x[j] * vj;
+    b += y[j] * vj;
+  }
+  dot_x = a;
+  dot_y = b;
+}
+
+// acc = acc * rescale + p * v (the online weighted sum of values).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_accumulate(acc_t* acc, acc_t rescale, acc_t p, const scalar_t* v,
+                    int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const AVec c(rescale), pv(p);
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec vv[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      acc_t* a = acc + j + k * AVec::size();
+      math::online_accumulate(AVec::loadu(a), c, pv, vv[k]).store(a);
+    }
+  }
+  for (; j < D; ++j) {
+    acc[j] = math::online_accumulate(acc[j], rescale, p,
+                                     static_cast<acc_t>(v[j]));
+  }
+}
+
+// dst = src (converted to the accumulation type).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_load(acc_t* dst, const scalar_t* src, int64_t D) {
+  for (int64_t j = 0; j < D; ++j) dst[j] = static_cast<acc_t>(src[j]);
+}
+
+// out = acc * factor, converted to scalar_t.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_scale_store(scalar_t* out, const acc_t* acc, acc_t factor,
+                     int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const AVec f(factor);
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec o[L::kParts];
+    for (int k = 0; k < L::kParts; ++k) {
+      o[k] = AVec::loadu(acc + j + k * AVec::size()) * f;
+    }
+    L::store(out + j, o);
+  }
+  for (; j < D; ++j) out[j] = static_cast<scalar_t>(acc[j] * factor);
+}
+
+// dv = a*dh + alpha*u + beta*v (written as scalar_t) and z += alpha*v.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* dh,
+                     const acc_t* u, const math::SourceGrad<acc_t>& g,
+                     acc_t* z, int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const AVec a(g.a), alpha(g.alpha), beta(g.beta);
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec vv[L::kParts], out[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t o = j + k * AVec::size();
+      out[k] = math::source_grad(a, AVec::loadu(dh + o), alpha,
+                                 AVec::loadu(u + o), beta, vv[k]);
+      at::vec::fmadd(alpha, vv[k], AVec::loadu(z + o)).store(z + o);
+    }
+    L::store(dv + j, out);
+  }
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    dv[j] = static_cast<scalar_t>(
+        math::source_grad(g.a, dh[j], g.alpha, u[j], g.beta, vj));
+    z[j] += g.alpha * vj;
+  }
+}
+
+// The sources as row pointers (no stacking; strided rows used in place).
+template <typename scalar_t>
+struct SourceRows {
+  std::vector<at::Tensor> keep;  // copies for layouts that don't collapse
+  std::vector<const scalar_t*> ptr;
+  std::vector<int64_t> stride;
+
+  explicit SourceRows(at::TensorList sources) {
+    keep.reserve(sources.size());
+    for (const auto& s : sources) {
+      Rows r = as_rows(s);
+      keep.push_back(r.tensor);
+      ptr.push_back(r.tensor.template const_data_ptr<scalar_t>());
+      stride.push_back(r.row_stride);
+    }
+  }
+  const scalar_t* row(int64_t i, int64_t t) const {
+    return ptr[i] + t * stride[i];
+  }
+};
+
+// Tokens per parallel task: enough work to amortize the task overhead.
+int64_t token_grain(int64_t N, int64_t D) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N * D));
+}
+
+template <typename scalar_t>
+void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
+                  at::Tensor& out, at::Tensor& rstd, at::Tensor& weights,
+                  const DepthProblem& p, double eps_d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = p.N, D = p.D, T = p.T;
+  const acc_t eps = static_cast<acc_t>(eps_d);
+  const acc_t* u = u_t.const_data_ptr<acc_t>();
+  scalar_t* out_p = out.data_ptr<scalar_t>();
+  acc_t* rstd_p = rstd.data_ptr<acc_t>();
+  acc_t* w_p = weights.data_ptr<acc_t>();
+
+  at::parallel_for(0, T, token_grain(N, D), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(D);
+    std::vector<acc_t> scores(N);
+    for (int64_t t = begin; t < end; ++t) {
+      math::OnlineSoftmax<acc_t> sm;
+      for (int64_t i = 0; i < N; ++i) {
+        const scalar_t* v = src.row(i, t);
+        acc_t sumsq, dot_uv;
+        row_sumsq_dot(v, u, D, sumsq, dot_uv);
+        const acc_t r = math::rstd_from_sumsq(sumsq, D, eps);
+        const acc_t s = math::score(r, dot_uv);
+        rstd_p[i * T + t] = r;
+        scores[i] = s;
+        if (i == 0) {
+          sm.init(s);
+          row_load(acc.data(), v, D);  // a copy: stale NaNs must not leak in
+        } else {
+          acc_t rescale, pw;
+          sm.push(s, rescale, pw);
+          row_accumulate(acc.data(), rescale, pw, v, D);
+        }
+      }
+      row_scale_store(out_p + t * D, acc.data(), sm.inv_sum(), D);
+      for (int64_t i = 0; i < N; ++i) w_p[i * T + t] = sm.weight(scores[i]);
+    }
+  });
+}
+
+// Fixed token chunking for the parameter-gradient partials: it depends on T
+// only, so the reduction order (and the bits) do not depend on the number
+// of threads.
+constexpr int64_t kMaxChunks = 64;
+
+template <typename scalar_t>
+void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
+                   const at::Tensor& u_t, const at::Tensor& rstd,
+                   const at::Tensor& weights, std::vector<at::Tensor>& grads,
+                   at::Tensor& z_t, const DepthProblem& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = p.N, D = p.D, T = p.T;
+  const acc_t* u = u_t.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = weights.const_data_ptr<acc_t>();
+  Rows dh_rows = as_rows(grad_out);
+  const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
+  std::vector<scalar_t*> dv_p(N);
+  for (int64_t i = 0; i < N; ++i) dv_p[i] = grads[i].data_ptr<scalar_t>();
+
+  const int64_t chunk = std::max<int64_t>(1, (T + kMaxChunks - 1) / kMaxChunks);
+  const int64_t n_chunks = T == 0 ? 0 : (T + chunk - 1) / chunk;
+  std::vector<acc_t> partial(static_cast<size_t>(n_chunks * D), acc_t(0));
+
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<acc_t> dh(D);
+    std::vector<acc_t> dp(N), s(N);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      acc_t* z = partial.data() + c * D;
+      const int64_t t_end = std::min(T, (c + 1) * chunk);
+      for (int64_t t = c * chunk; t < t_end; ++t) {
+        row_load(dh.data(), dh_p + t * dh_rows.row_stride, D);
+        // Pass 1: dp_i = <dh, v_i>, s_i = r_i <u, v_i>.
+        acc_t sum_a_dp = 0;
+        for (int64_t i = 0; i < N; ++i) {
+          acc_t dot_dh, dot_u;
+          row_dot2(src.row(i, t), dh.data(), u, D, dot_dh, dot_u);
+          dp[i] = dot_dh;
+          s[i] = math::score(rstd_p[i * T + t], dot_u);
+          sum_a_dp += w_p[i * T + t] * dot_dh;
+        }
+        // Pass 2: every source gradient, written once.
+        for (int64_t i = 0; i < N; ++i) {
+          const auto g = math::source_grad_coefficients(
+              w_p[i * T + t], rstd_p[i * T + t], s[i], dp[i], sum_a_dp, D);
+          row_source_grad(dv_p[i] + t * D, src.row(i, t), dh.data(), u, g, z,
+                          D);
+        }
+      }
+    }
+  });
+
+  // Second pass of the parameter gradient: chunks summed in a fixed order.
+  acc_t* z = z_t.data_ptr<acc_t>();
+  at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
+    for (int64_t d = d0; d < d1; ++d) {
+      acc_t sum = 0;
+      for (int64_t c = 0; c < n_chunks; ++c) sum += partial[c * D + d];
+      z[d] = sum;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cpu(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
+  const DepthProblem p = check_forward_args(sources, query, norm_weight, eps);
+  check_cpu_capability();
+  const auto dtype = sources[0].scalar_type();
+  const auto acc = acc_dtype_for(dtype);
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+  at::Tensor out = at::empty(sources[0].sizes(), sources[0].options().dtype(dtype)
+                                                     .memory_format(at::MemoryFormat::Contiguous));
+  std::vector<int64_t> stat_shape{p.N};
+  stat_shape.insert(stat_shape.end(), p.lead_shape.begin(), p.lead_shape.end());
+  at::Tensor rstd = at::empty(stat_shape, sources[0].options().dtype(acc));
+  at::Tensor weights = at::empty(stat_shape, sources[0].options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, dtype, "depth_attention_fwd_cpu", [&] {
+        SourceRows<scalar_t> src(sources);
+        forward_impl<scalar_t>(src, u, out, rstd, weights, p, eps);
+      });
+  return {out, rstd, weights};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
+depth_attention_bwd_cpu(const at::Tensor& grad_out, at::TensorList sources,
+                        const at::Tensor& query,
+                        const std::optional<at::Tensor>& norm_weight,
+                        const at::Tensor& rstd, const at::Tensor& weights,
+                        double scale) {
+  const DepthProblem p = check_backward_args(grad_out, sources, query,
+                                             norm_weight, rstd, weights);
+  check_cpu_capability();
+  const auto dtype = sources[0].scalar_type();
+  const auto acc = acc_dtype_for(dtype);
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+  std::vector<at::Tensor> grads;
+  grads.reserve(p.N);
+  for (int64_t i = 0; i < p.N; ++i) {
+    grads.push_back(at::empty(sources[0].sizes(), sources[0].options()));
+  }
+  at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
+  const at::Tensor rstd_c = rstd.contiguous();
+  const at::Tensor weights_c = weights.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, dtype, "depth_attention_bwd_cpu", [&] {
+        SourceRows<scalar_t> src(sources);
+        backward_impl<scalar_t>(grad_out, src, u, rstd_c, weights_c, grads, z,
+                                p);
+      });
+  // dquery = scale * gain * Z, dgain = scale * query * Z (DESIGN.md §2).
+  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
+  at::Tensor zs = z.mul(scale);
+  at::Tensor grad_query =
+      (has_gain ? zs.mul(norm_weight->to(acc)) : zs).to(query.scalar_type());
+  at::Tensor grad_gain =
+      zs.mul(query.to(acc))
+          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  return {grads, grad_query, grad_gain};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  m.impl("depth_attention_fwd", &depth_attention_fwd_cpu);
+  m.impl("depth_attention_bwd", &depth_attention_bwd_cpu);
+}
+
+}  // namespace cpu
+}  // namespace attnres

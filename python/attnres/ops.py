@@ -1,0 +1,154 @@
+"""Python side of the torch ops: argument checks, fake (meta) kernels for
+torch.compile, autograd, and the public functional API.
+
+The kernels live in C++ (csrc/); importing this module loads them.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.attnres.*)
+
+_SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_parameter(p, name: str, src0: torch.Tensor, D: int) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape [D] = [{D}], got {type(p).__name__}")
+    if p.dim() != 1 or p.shape[0] != D:
+        raise ValueError(f"{name} must have shape [D] = [{D}], got {list(p.shape)}")
+    if not (p.dtype == src0.dtype or (p.dtype == torch.float32 and src0.dtype in _REDUCED)):
+        raise TypeError(
+            f"{name} must have the sources' dtype ({src0.dtype}) or float32 when the sources "
+            f"are bfloat16/float16, got {p.dtype}"
+        )
+    if p.device != src0.device:
+        raise ValueError(f"{name} is on device {p.device} but the sources are on device {src0.device}")
+
+
+def check_args(sources, query, norm_weight, eps) -> None:
+    """Same checks and words as csrc/checks.cpp, raised before any kernel runs."""
+    if len(sources) == 0:
+        raise ValueError("sources must be a non-empty list of tensors [..., D]")
+    src0 = sources[0]
+    if not isinstance(src0, torch.Tensor):
+        raise TypeError(f"sources[0] must be a tensor, got {type(src0).__name__}")
+    if src0.dim() < 1:
+        raise ValueError("sources must have at least one dimension [..., D], got a 0-dim tensor")
+    if src0.dtype not in _SUPPORTED:
+        raise TypeError(f"sources must be float64, float32, bfloat16 or float16, got {src0.dtype}")
+    D = src0.shape[-1]
+    if D == 0:
+        raise ValueError(f"sources must have a non-zero last dimension D, got shape {list(src0.shape)}")
+    for i, s in enumerate(sources[1:], start=1):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"sources[{i}] must be a tensor, got {type(s).__name__}")
+        if s.shape != src0.shape:
+            raise ValueError(
+                f"sources[{i}] has shape {list(s.shape)} but sources[0] has shape "
+                f"{list(src0.shape)}: all sources must have the same shape"
+            )
+        if s.dtype != src0.dtype:
+            raise TypeError(
+                f"sources[{i}] has dtype {s.dtype} but sources[0] has dtype {src0.dtype}: "
+                "all sources must have the same dtype"
+            )
+        if s.device != src0.device:
+            raise ValueError(
+                f"sources[{i}] is on device {s.device} but sources[0] is on device "
+                f"{src0.device}: all sources must be on the same device"
+            )
+    _check_parameter(query, "query", src0, D)
+    if norm_weight is not None:
+        _check_parameter(norm_weight, "norm_weight", src0, D)
+    if not (eps >= 0.0 and eps != float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+
+
+@torch.library.register_fake("attnres::depth_attention_fwd")
+def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
+    check_args(sources, query, norm_weight, eps)
+    src0 = sources[0]
+    stat_shape = (len(sources), *src0.shape[:-1])
+    acc = _acc_dtype(src0.dtype)
+    out = torch.empty(src0.shape, dtype=src0.dtype, device=src0.device)
+    rstd = src0.new_empty(stat_shape, dtype=acc)
+    weights = src0.new_empty(stat_shape, dtype=acc)
+    return out, rstd, weights
+
+
+@torch.library.register_fake("attnres::depth_attention_bwd")
+def _depth_attention_bwd_fake(grad_out, sources, query, norm_weight, rstd, weights, scale):
+    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
+    gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
+    return grads, torch.empty_like(query), query.new_empty(query.shape, dtype=gain_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, norm_weight, eps, scale = inputs
+    _, rstd, weights = output
+    ctx.n_sources = len(sources)
+    ctx.has_gain = norm_weight is not None
+    ctx.scale = scale
+    saved = [*sources, query, rstd, weights]
+    if norm_weight is not None:
+        saved.append(norm_weight)
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(rstd, weights)
+
+
+def _backward(ctx, grad_out, _grad_rstd, _grad_weights):
+    saved = ctx.saved_tensors
+    n = ctx.n_sources
+    sources = list(saved[:n])
+    query, rstd, weights = saved[n : n + 3]
+    norm_weight = saved[n + 3] if ctx.has_gain else None
+    grad_sources, grad_query, grad_gain = torch.ops.attnres.depth_attention_bwd(
+        grad_out, sources, query, norm_weight, rstd, weights, ctx.scale
+    )
+    return list(grad_sources), grad_query, (grad_gain if ctx.has_gain else None), None, None
+
+
+torch.library.register_autograd(
+    "attnres::depth_attention_fwd", _backward, setup_context=_setup_context
+)
+
+
+def depth_attention(
+    sources: Union[Sequence[torch.Tensor], torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    return_weights: bool = False,
+):
+    """Fused depth attention over ``sources`` (DESIGN.md §1).
+
+    sources: a sequence of N >= 1 tensors [..., D] (same shape, dtype and
+    device; never copied into a stack), or one tensor [N, ..., D].
+    query: [D]; norm_weight: [D] or None (no gain). With bf16/fp16 sources the
+    query and gain may be fp32. Returns h [..., D] in the sources' dtype, and
+    with ``return_weights`` also the softmax weights [N, ...] as float32.
+    """
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() < 2:
+            raise ValueError(
+                f"a stacked sources tensor must have shape [N, ..., D], got {list(sources.shape)}"
+            )
+        sources = sources.unbind(0)
+    sources = list(sources)
+    check_args(sources, query, norm_weight, eps)
+    h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, float(eps), float(scale)
+    )
+    if return_weights:
+        return h, weights.to(torch.float32)
+    return h
