@@ -1,9 +1,14 @@
 """attnres: fused Attention Residuals (depth attention) for PyTorch.
 
     h = attnres.depth_attention([emb, f1, f2], query, norm_weight)
+
+    stream = attnres.DepthStream(emb, block_size=None)   # or S for Block AttnRes
+    h = attnres.AttnResResidual(D)(stream)
 """
 from . import reference
 from .ops import depth_attention
+from .modules import AttnResResidual, DepthStream
+from . import models
 
-__all__ = ["depth_attention", "reference"]
+__all__ = ["depth_attention", "reference", "DepthStream", "AttnResResidual", "models"]
 __version__ = "0.1.0"

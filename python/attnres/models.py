@@ -1,0 +1,217 @@
+"""A small PreNorm GPT with a switchable residual: the plain sum ("standard"),
+Full AttnRes ("full") or Block AttnRes ("block"). Everything else is the
+same in all three, so they can be compared like for like.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .modules import AttnResResidual, DepthStream
+
+RESIDUALS = ("standard", "full", "block")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    residual: str = "standard"
+    block_size: int = 2  # sublayers per block; used by residual="block" only
+    eps: float = 1e-6  # AttnRes key-norm eps
+    # Recompute each transformer block in backward (torch.utils.checkpoint).
+    checkpoint_blocks: bool = False
+
+    def __post_init__(self):
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+
+    @property
+    def stream_block_size(self) -> Optional[int]:
+        return self.block_size if self.residual == "block" else None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Two sublayers (attention, MLP), each with its own pre-norm and, for
+    AttnRes, its own depth read in front of that pre-norm."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.uses_attnres = cfg.residual != "standard"
+        if self.uses_attnres:
+            self.res_attn = AttnResResidual(cfg.d_model, eps=cfg.eps)
+            self.res_mlp = AttnResResidual(cfg.d_model, eps=cfg.eps)
+
+    def forward(self, x, weights: Optional[list] = None):
+        """Standard: ``x -> x + attn(...) + mlp(...)``. AttnRes: ``x`` is a
+        DepthStream; appends this block's two outputs to it and returns them;
+        with ``weights`` a list, also appends the depth weights of both reads.
+        One entry point, so module hooks (FSDP, ...) see every call."""
+        if not self.uses_attnres:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        stream = x
+        if weights is None:
+            attn_out = self.attn(self.ln1(self.res_attn(stream)))
+            stream.append(attn_out)
+            mlp_out = self.mlp(self.ln2(self.res_mlp(stream)))
+        else:
+            h, w = self.res_attn(stream, return_weights=True)
+            weights.append(w)
+            attn_out = self.attn(self.ln1(h))
+            stream.append(attn_out)
+            h, w = self.res_mlp(stream, return_weights=True)
+            weights.append(w)
+            mlp_out = self.mlp(self.ln2(h))
+        stream.append(mlp_out)
+        return attn_out, mlp_out
+
+
+class GPT(nn.Module):
+    """Token + position embedding, n_layers PreNorm blocks, final norm, tied head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        if cfg.residual != "standard":
+            self.final_res = AttnResResidual(cfg.d_model, eps=cfg.eps)
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style; AttnRes queries/gains keep their own init (zeros/ones).
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=out_std)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied head counted once
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        return_depth_weights: bool = False,
+    ):
+        """Returns ``(logits, loss)`` (loss None without targets). With
+        ``return_depth_weights`` (AttnRes only) returns ``(logits, loss,
+        weights)``: one float32 tensor [num_sources, B, T] per read, in
+        order attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, final."""
+        x = self.embed(idx)
+        weights: Optional[List[torch.Tensor]] = None
+        if self.cfg.residual == "standard":
+            if return_depth_weights:
+                raise ValueError("return_depth_weights needs residual='full' or 'block'")
+            for blk in self.blocks:
+                if self.cfg.checkpoint_blocks and self.training:
+                    x = checkpoint(blk, x, use_reentrant=False)
+                else:
+                    x = blk(x)
+        else:
+            stream = DepthStream(x, block_size=self.cfg.stream_block_size)
+            weights = [] if return_depth_weights else None
+            for blk in self.blocks:
+                if self.cfg.checkpoint_blocks and self.training and weights is None:
+                    attn_out, mlp_out = checkpoint(
+                        _block_outputs, blk, stream.clone(), use_reentrant=False
+                    )
+                    stream.append(attn_out)
+                    stream.append(mlp_out)
+                else:
+                    blk(stream, weights)
+            if weights is None:
+                x = self.final_res(stream)
+            else:
+                x, w = self.final_res(stream, return_weights=True)
+                weights.append(w)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if return_depth_weights:
+            return logits, loss, weights
+        return logits, loss
+
+    def read_names(self) -> List[str]:
+        """Names of the depth reads, in the order of the returned weights."""
+        names = []
+        for i in range(self.cfg.n_layers):
+            names += [f"L{i}.attn", f"L{i}.mlp"]
+        return names + ["final"]
+
+    def source_names(self) -> List[str]:
+        """Names of the source slots (source i is always slot i)."""
+        sublayers = self.read_names()[:-1]
+        if self.cfg.residual != "block":
+            return ["emb"] + sublayers
+        S = self.cfg.block_size
+        names = ["emb"]
+        for b, first in enumerate(range(0, len(sublayers), S)):
+            members = sublayers[first : first + S]
+            span = members[0] if len(members) == 1 else f"{members[0]}..{members[-1]}"
+            names.append(f"block {b + 1}\n{span}")
+        return names
+
+
+def _block_outputs(blk: TransformerBlock, stream: DepthStream):
+    """Both outputs of ``blk`` given the sources in ``stream``, leaving
+    ``stream`` as it is: checkpoint recomputation must see the same sources."""
+    return blk(stream.clone())
