@@ -44,7 +44,10 @@ def extensions():
     with_cuda = cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
     if os.environ.get("ATTNRES_NO_CUDA") == "1":
         with_cuda = False
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", *arch_flags]
+    # -fopenmp: at::parallel_for is an inline OpenMP loop in ATen's headers;
+    # without the flag it silently runs on one thread.
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp", *arch_flags]
+    link = ["-fopenmp"]
     include_dirs = [os.path.join(HERE, "csrc", "include")]
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -59,12 +62,14 @@ def extensions():
                 sources + cuda_sources,
                 include_dirs=include_dirs,
                 extra_compile_args={"cxx": cxx + ["-DATTNRES_WITH_CUDA"], "nvcc": nvcc},
+                extra_link_args=link,
             )
         ]
     print(f"attnres build: CUDA kernels OFF (no nvcc/CUDA_HOME found), CPU vector code {arch}")
     return [
         cpp_extension.CppExtension(
-            "attnres._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx}
+            "attnres._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
+            extra_link_args=link,
         )
     ]
 

@@ -14,6 +14,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "attnres/checks.h"
@@ -71,23 +72,36 @@ acc_t hsum(const Vectorized<acc_t>& v) {
       [](Vectorized<acc_t>& a, Vectorized<acc_t>& b) { return a + b; }, v);
 }
 
+// Independent accumulators per reduction: one FMA chain would make the sweep
+// latency-bound (4 cycles a step) instead of load-bound.
+constexpr int kChains = 4;
+
+template <typename acc_t>
+acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {
+  return hsum((c[0] + c[1]) + (c[2] + c[3]));
+}
+
 // sum(v*v) and sum(x*v) over one row, in one pass.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_sumsq_dot(const scalar_t* v, const acc_t* x, int64_t D, acc_t& sumsq,
                    acc_t& dot) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  AVec ss(0), dx(0);
+  AVec ss[kChains], dx[kChains];
+  for (int c = 0; c < kChains; ++c) ss[c] = dx[c] = AVec(acc_t(0));
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
+    // kParts (1 or 2) vectors a step; alternate chains between steps.
+    const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
     AVec vv[L::kParts];
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
-      ss = at::vec::fmadd(vv[k], vv[k], ss);
-      dx = at::vec::fmadd(AVec::loadu(x + j + k * AVec::size()), vv[k], dx);
+      ss[base + k] = at::vec::fmadd(vv[k], vv[k], ss[base + k]);
+      dx[base + k] = at::vec::fmadd(AVec::loadu(x + j + k * AVec::size()),
+                                    vv[k], dx[base + k]);
     }
   }
-  acc_t s = hsum(ss), d = hsum(dx);
+  acc_t s = hsum_chains(ss), d = hsum_chains(dx);
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
     s += vj * vj;
@@ -103,18 +117,20 @@ void row_dot2(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
               acc_t& dot_x, acc_t& dot_y) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  AVec dx(0), dy(0);
+  AVec dx[kChains], dy[kChains];
+  for (int c = 0; c < kChains; ++c) dx[c] = dy[c] = AVec(acc_t(0));
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
+    const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
     AVec vv[L::kParts];
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
       const int64_t o = j + k * AVec::size();
-      dx = at::vec::fmadd(AVec::loadu(x + o), vv[k], dx);
-      dy = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy);
+      dx[base + k] = at::vec::fmadd(AVec::loadu(x + o), vv[k], dx[base + k]);
+      dy[base + k] = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy[base + k]);
     }
   }
-  acc_t a = hsum(dx), b = hsum(dy);
+  acc_t a = hsum_chains(dx), b = hsum_chains(dy);
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
     a += x[j] * vj;
@@ -219,19 +235,23 @@ struct SourceRows {
   }
 };
 
-// Asks for a row of the next token while this one is computed: each token
-// jumps between N separate streams, which the hardware prefetcher alone
-// follows poorly.
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 0);
+// Tokens are processed in tiles, source-major inside a tile: the tile's rows
+// of one source are adjacent in memory, so the reads are a few long streams
+// the hardware prefetcher follows, rather than N short rows per token.
+// Forward tile: the fp32 accumulators of the tile (tile x D) stay in L1/L2.
+template <typename acc_t>
+int64_t forward_tile(int64_t D) {
+  const int64_t bytes = 32 * 1024;
+  return std::clamp<int64_t>(bytes / (D * int64_t(sizeof(acc_t))), 1, 64);
 }
 
-// Tokens per parallel task: enough work to amortize the task overhead.
-int64_t token_grain(int64_t N, int64_t D) {
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N * D));
+// Backward tile: the second pass re-reads the tile's N rows per token, which
+// must still be in L2 (about 1 MiB of source rows per tile).
+template <typename scalar_t>
+int64_t backward_tile(int64_t N, int64_t D) {
+  const int64_t bytes = 1024 * 1024;
+  return std::clamp<int64_t>(bytes / (N * D * int64_t(sizeof(scalar_t))), 1,
+                             64);
 }
 
 template <typename scalar_t>
@@ -245,32 +265,45 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
   scalar_t* out_p = out.data_ptr<scalar_t>();
   acc_t* rstd_p = rstd.data_ptr<acc_t>();
   acc_t* w_p = weights.data_ptr<acc_t>();
+  const int64_t tile = forward_tile<acc_t>(D);
+  // At least a tile per task, and enough work to amortize the task overhead.
+  const int64_t grain =
+      std::max<int64_t>(tile, 65536 / std::max<int64_t>(1, N * D));
 
-  at::parallel_for(0, T, token_grain(N, D), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(D);
-    std::vector<acc_t> scores(N);
-    for (int64_t t = begin; t < end; ++t) {
-      math::OnlineSoftmax<acc_t> sm;
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(tile * D);
+    std::vector<acc_t> scores(N * tile);
+    std::vector<math::OnlineSoftmax<acc_t>> sm(tile);
+    for (int64_t t0 = begin; t0 < end; t0 += tile) {
+      const int64_t n_tok = std::min(tile, end - t0);
       for (int64_t i = 0; i < N; ++i) {
-        const scalar_t* v = src.row(i, t);
-        if (t + 1 < end) prefetch_row(src.row(i, t + 1), D);
-        acc_t sumsq, dot_uv;
-        row_sumsq_dot(v, u, D, sumsq, dot_uv);
-        const acc_t r = math::rstd_from_sumsq(sumsq, D, eps);
-        const acc_t s = math::score(r, dot_uv);
-        rstd_p[i * T + t] = r;
-        scores[i] = s;
-        if (i == 0) {
-          sm.init(s);
-          row_load(acc.data(), v, D);  // a copy: stale NaNs must not leak in
-        } else {
-          acc_t rescale, pw;
-          sm.push(s, rescale, pw);
-          row_accumulate(acc.data(), rescale, pw, v, D);
+        for (int64_t k = 0; k < n_tok; ++k) {
+          const int64_t t = t0 + k;
+          const scalar_t* v = src.row(i, t);
+          acc_t* acc_k = acc.data() + k * D;
+          acc_t sumsq, dot_uv;
+          row_sumsq_dot(v, u, D, sumsq, dot_uv);
+          const acc_t r = math::rstd_from_sumsq(sumsq, D, eps);
+          const acc_t sc = math::score(r, dot_uv);
+          rstd_p[i * T + t] = r;
+          scores[i * tile + k] = sc;
+          if (i == 0) {
+            sm[k].init(sc);
+            row_load(acc_k, v, D);  // a copy: stale NaNs must not leak in
+          } else {
+            acc_t rescale, pw;
+            sm[k].push(sc, rescale, pw);
+            row_accumulate(acc_k, rescale, pw, v, D);
+          }
         }
       }
-      row_scale_store(out_p + t * D, acc.data(), sm.inv_sum(), D);
-      for (int64_t i = 0; i < N; ++i) w_p[i * T + t] = sm.weight(scores[i]);
+      for (int64_t k = 0; k < n_tok; ++k) {
+        const int64_t t = t0 + k;
+        row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].inv_sum(), D);
+        for (int64_t i = 0; i < N; ++i) {
+          w_p[i * T + t] = sm[k].weight(scores[i * tile + k]);
+        }
+      }
     }
   });
 }
@@ -297,32 +330,42 @@ void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
 
   const int64_t chunk = std::max<int64_t>(1, (T + kMaxChunks - 1) / kMaxChunks);
   const int64_t n_chunks = T == 0 ? 0 : (T + chunk - 1) / chunk;
+  const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(static_cast<size_t>(n_chunks * D), acc_t(0));
 
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
-    std::vector<acc_t> dh(D);
-    std::vector<acc_t> dp(N), s(N);
+    std::vector<acc_t> dh(tile * D);
+    std::vector<acc_t> dp(N * tile), sc(N * tile), sum_a_dp(tile);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = partial.data() + c * D;
-      const int64_t t_end = std::min(T, (c + 1) * chunk);
-      for (int64_t t = c * chunk; t < t_end; ++t) {
-        row_load(dh.data(), dh_p + t * dh_rows.row_stride, D);
-        // Pass 1: dp_i = <dh, v_i>, s_i = r_i <u, v_i>.
-        acc_t sum_a_dp = 0;
-        for (int64_t i = 0; i < N; ++i) {
-          if (t + 1 < t_end) prefetch_row(src.row(i, t + 1), D);
-          acc_t dot_dh, dot_u;
-          row_dot2(src.row(i, t), dh.data(), u, D, dot_dh, dot_u);
-          dp[i] = dot_dh;
-          s[i] = math::score(rstd_p[i * T + t], dot_u);
-          sum_a_dp += w_p[i * T + t] * dot_dh;
+      const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
+      for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
+        const int64_t n_tok = std::min(tile, c_end_tok - t0);
+        for (int64_t k = 0; k < n_tok; ++k) {
+          row_load(dh.data() + k * D, dh_p + (t0 + k) * dh_rows.row_stride, D);
+          sum_a_dp[k] = 0;
         }
-        // Pass 2: every source gradient, written once.
+        // Pass 1: dp_i = <dh, v_i>, s_i = r_i <u, v_i>.
         for (int64_t i = 0; i < N; ++i) {
-          const auto g = math::source_grad_coefficients(
-              w_p[i * T + t], rstd_p[i * T + t], s[i], dp[i], sum_a_dp, D);
-          row_source_grad(dv_p[i] + t * D, src.row(i, t), dh.data(), u, g, z,
-                          D);
+          for (int64_t k = 0; k < n_tok; ++k) {
+            const int64_t t = t0 + k;
+            acc_t dot_dh, dot_u;
+            row_dot2(src.row(i, t), dh.data() + k * D, u, D, dot_dh, dot_u);
+            dp[i * tile + k] = dot_dh;
+            sc[i * tile + k] = math::score(rstd_p[i * T + t], dot_u);
+            sum_a_dp[k] += w_p[i * T + t] * dot_dh;
+          }
+        }
+        // Pass 2: every source gradient, written once (rows re-read from L2).
+        for (int64_t i = 0; i < N; ++i) {
+          for (int64_t k = 0; k < n_tok; ++k) {
+            const int64_t t = t0 + k;
+            const auto g = math::source_grad_coefficients(
+                w_p[i * T + t], rstd_p[i * T + t], sc[i * tile + k],
+                dp[i * tile + k], sum_a_dp[k], D);
+            row_source_grad(dv_p[i] + t * D, src.row(i, t), dh.data() + k * D,
+                            u, g, z, D);
+          }
         }
       }
     }
