@@ -1,0 +1,64 @@
+// Launcher of the backward kernel for every compiled tile and dtype.
+#include <c10/cuda/CUDAException.h>
+
+#include "kernels.cuh"
+
+namespace attnres {
+namespace cuda {
+namespace {
+
+// Shared memory a CTA may use without opting in.
+constexpr size_t kDefaultSmemLimit = 48 * 1024;
+
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t smem_bytes) {
+  if (smem_bytes > kDefaultSmemLimit) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(smem_bytes)));
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void launch_backward(const BackwardParams<scalar_t>& params,
+                     const LaunchConfig& config, cudaStream_t stream) {
+  with_tile<scalar_t>(config.tile.vec, config.tile.vpt, [&](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value;
+    constexpr int VPT = decltype(vpt)::value;
+    auto* kernel = depth_attention_bwd_kernel<scalar_t, VEC, VPT>;
+    allow_dynamic_smem(kernel, config.smem_bytes);
+    const int threads = config.tile.group * config.tile.tokens_per_cta;
+    kernel<<<static_cast<unsigned>(config.grid), threads, config.smem_bytes, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+template <typename scalar_t>
+int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes) {
+  int blocks = 0;
+  with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value;
+    constexpr int VPT = decltype(vpt)::value;
+    auto* kernel = depth_attention_bwd_kernel<scalar_t, VEC, VPT>;
+    allow_dynamic_smem(kernel, smem_bytes);
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, kernel, tile.group * tile.tokens_per_cta, smem_bytes));
+  });
+  return blocks;
+}
+
+#define ATTNRES_INSTANTIATE_BACKWARD(T)                                        \
+  template void launch_backward<T>(const BackwardParams<T>&,                   \
+                                   const LaunchConfig&, cudaStream_t);         \
+  template int backward_blocks_per_sm<T>(const TileConfig&, size_t);
+
+ATTNRES_INSTANTIATE_BACKWARD(double)
+ATTNRES_INSTANTIATE_BACKWARD(float)
+ATTNRES_INSTANTIATE_BACKWARD(c10::Half)
+ATTNRES_INSTANTIATE_BACKWARD(c10::BFloat16)
+#undef ATTNRES_INSTANTIATE_BACKWARD
+
+}  // namespace cuda
+}  // namespace attnres
