@@ -26,6 +26,7 @@
 
 #include "attnres/checks.h"
 #include "launch.h"
+#include "plan.h"
 
 namespace attnres {
 namespace cuda {
@@ -55,82 +56,10 @@ __global__ void sum_partial_rows(const acc_t* partial, int64_t rows, int64_t D,
 
 namespace {
 
-// Each thread holds at most 32 elements of a row and a token has at most
-// 512 threads.
-constexpr int64_t kMaxD = kMaxElemsPerThread * kMaxThreads;  // 16384
-// CTA size aimed at when a token needs fewer threads.
-constexpr int kCtaThreads = 256;
-// Backward staging: a token's rows are kept in shared memory when they take
-// at most this much, and a CTA stages at most kStageBytesPerCta.
-constexpr int64_t kStageBytesPerToken = 32 * 1024;
-constexpr int64_t kStageBytesPerCta = 64 * 1024;
-constexpr int64_t kMaxGrid = 0x7fffffff;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int next_pow2(int x) {
-  int p = 1;
-  while (p < x) p <<= 1;
-  return p;
-}
-
-// Threads per token: a power of two <= 32 (several tokens per warp) when a
-// warp's worth of threads can hold the row, else a multiple of 32 (<= 256
-// when possible, so a token keeps few warps busy on reductions).
-std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec,
-                                              int natural) {
-  const int64_t packs = ceil_div(D, vec);
-  for (int vpt : kCandidateVpts) {
-    if (!tile_is_compiled(vec, vpt, natural)) continue;
-    const int64_t g = ceil_div(packs, vpt);
-    if (g <= 32) {
-      TileConfig t;
-      t.vec = vec;
-      t.vpt = vpt;
-      t.group = next_pow2(static_cast<int>(g));
-      t.tokens_per_cta = kCtaThreads / t.group;
-      return t;
-    }
-  }
-  for (int64_t limit : {int64_t(kCtaThreads), int64_t(kMaxThreads)}) {
-    for (int vpt : kCandidateVpts) {
-      if (!tile_is_compiled(vec, vpt, natural)) continue;
-      const int64_t g = ceil_div(packs, vpt);
-      if (g <= limit) {
-        TileConfig t;
-        t.vec = vec;
-        t.vpt = vpt;
-        t.group = static_cast<int>(ceil_div(g, 32) * 32);
-        t.tokens_per_cta = std::max(1, kCtaThreads / t.group);
-        return t;
-      }
-    }
-  }
-  return std::nullopt;
-}
-
 void check_width_supported(int64_t D) {
   TORCH_CHECK_VALUE(D <= kMaxD,
                     "sources have D = ", D,
                     " but the CUDA kernels of attnres support D <= ", kMaxD);
-}
-
-TileConfig choose_tile(int64_t D, bool vector_ok, int natural) {
-  if (vector_ok && D % natural == 0) {
-    if (auto t = choose_tile_for_vec(D, natural, natural)) return *t;
-  }
-  auto t = choose_tile_for_vec(D, 1, natural);
-  TORCH_CHECK(t.has_value(), "attnres: no CUDA tile for D = ", D);
-  return *t;
-}
-
-// Whether rows starting at ptr, row_stride elements apart, can be read in
-// packs of vec elements.
-bool rows_aligned(const void* ptr, int64_t row_stride, int64_t T, int vec,
-                  size_t elem_size) {
-  const auto pack_bytes = static_cast<uintptr_t>(vec) * elem_size;
-  if (reinterpret_cast<uintptr_t>(ptr) % pack_bytes != 0) return false;
-  return T <= 1 || row_stride % vec == 0;
 }
 
 // The sources as a pointer table for the kernels (no stacking: strided rows
@@ -268,30 +197,11 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
           const bool vector_ok =
               src.vector_aligned && rows_aligned(dh.tensor.const_data_ptr(), dh.row_stride,
                                                  p.T, natural, sizeof(scalar_t));
-          TileConfig tile = choose_tile(p.D, vector_ok, natural);
-
-          // Stage the token's rows in shared memory when they are small
-          // (16-byte packs only: cp.async). Sub-warp groups must fill whole
-          // warps.
-          bool stage = false;
-          size_t smem = 0;
-          if (tile.vec == natural) {
-            const int64_t per_token = p.N * tile.vpt * tile.group * 16;
-            const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-            const int64_t budget = std::min<int64_t>(
-                kStageBytesPerCta,
-                static_cast<int64_t>(props->sharedMemPerBlockOptin) - 4096);
-            int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
-            tokens -= tokens % min_tokens;
-            if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
-              stage = true;
-              tile.tokens_per_cta = static_cast<int>(tokens);
-              smem = static_cast<size_t>(per_token * tokens);
-            }
-          }
-          if (tile.tokens_per_cta > 1) {
-            smem = std::max(smem, static_cast<size_t>(p.D) * sizeof(acc_t));
-          }
+          const BackwardPlan plan = plan_backward(
+              choose_tile(p.D, vector_ok, natural), p.N, p.D, natural, sizeof(acc_t),
+              static_cast<int64_t>(props->sharedMemPerBlockOptin));
+          const TileConfig& tile = plan.tile;
+          const size_t smem = plan.smem_bytes;
 
           BackwardParams<scalar_t> params{};
           params.table = src.table;
@@ -307,7 +217,7 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
           params.D = static_cast<int>(p.D);
           params.group = tile.group;
           params.tokens_per_cta = tile.tokens_per_cta;
-          params.stage = stage;
+          params.stage = plan.stage;
 
           // A grid that fits the device at once: each CTA loops over tokens
           // and keeps its share of z in registers, so the partial rows stay
