@@ -198,7 +198,7 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
               src.vector_aligned && rows_aligned(dh.tensor.const_data_ptr(), dh.row_stride,
                                                  p.T, natural, sizeof(scalar_t));
           const BackwardPlan plan = plan_backward(
-              choose_tile(p.D, vector_ok, natural), p.N, p.D, natural, sizeof(acc_t),
+              choose_backward_tile(p.D, vector_ok, natural), p.N, p.D, natural, sizeof(acc_t),
               static_cast<int64_t>(props->sharedMemPerBlockOptin));
           const TileConfig& tile = plan.tile;
           const size_t smem = plan.smem_bytes;

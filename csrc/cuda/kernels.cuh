@@ -30,13 +30,23 @@ template <typename scalar_t, int VEC_, int VPT_>
 struct Tile {
   static constexpr int VEC = VEC_;
   static constexpr int VPT = VPT_;
-  // Registers one row of the slice takes once converted to acc_t (the
-  // compiler tends to convert as soon as it loads).
+  // Registers one row of the slice takes as loaded (a 2-byte scalar still
+  // takes a whole register).
   static constexpr int kRegsPerRow =
-      VPT * VEC * static_cast<int>(sizeof(at::opmath_type<scalar_t>)) / 4;
-  // Rows fetched per batch: about 32 registers of row data in flight.
+      VPT * ((VEC * static_cast<int>(sizeof(scalar_t)) + 3) / 4);
+  // Rows per batch: about 16 registers of packed rows (the kernels keep two
+  // batches: the one being used and the next one in flight).
   static constexpr int SU =
-      kRegsPerRow >= 32 ? 1 : (32 / kRegsPerRow > 4 ? 4 : 32 / kRegsPerRow);
+      kRegsPerRow >= 16 ? 1 : (16 / kRegsPerRow > 4 ? 4 : 16 / kRegsPerRow);
+  // Whether the next batch is loaded while this one is reduced: only when
+  // the accumulator and two batches of rows fit in about 64 registers
+  // (otherwise the extra batch spills).
+  static constexpr int kAccRegs =
+      VPT * VEC * static_cast<int>(sizeof(at::opmath_type<scalar_t>)) / 4;
+  static constexpr bool kPrefetch = kAccRegs + 2 * SU * kRegsPerRow <= 64;
+  // The backward also keeps dh (one row) and the query-gradient partial z.
+  static constexpr bool kPrefetchBackward =
+      kAccRegs + kRegsPerRow + 2 * SU * kRegsPerRow <= 64;
   static_assert(2 * SU <= kMaxReduce, "reduction buffer too small");
 };
 
@@ -45,14 +55,66 @@ struct alignas(sizeof(T) * VEC) Pack {
   T x[VEC];
 };
 
+// Packs in global memory, through explicit global-space instructions
+// (__ldg: LDG, st.global: STG). Pointers read from the source table are not
+// known to the compiler as global and would otherwise get generic LD/ST.
+// Sources, dh and u are read-only while a kernel runs.
 template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, VEC>*>(p);
+__device__ __forceinline__ Pack<T, VEC> load_global(const T* p) {
+  using P = Pack<T, VEC>;
+#if defined(__CUDA_ARCH__)
+  constexpr int kBytes = static_cast<int>(sizeof(P));
+  P out;
+  if constexpr (kBytes % 16 == 0) {
+    uint4 words[kBytes / 16];
+#pragma unroll
+    for (int w = 0; w < kBytes / 16; ++w) words[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
+    __builtin_memcpy(&out, words, kBytes);
+  } else if constexpr (kBytes == 8) {
+    const uint2 word = __ldg(reinterpret_cast<const uint2*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  } else if constexpr (kBytes == 4) {
+    const unsigned int word = __ldg(reinterpret_cast<const unsigned int*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  } else {
+    static_assert(kBytes == 2, "unexpected pack size");
+    const unsigned short word = __ldg(reinterpret_cast<const unsigned short*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  }
+  return out;
+#else
+  return *reinterpret_cast<const P*>(p);
+#endif
 }
 
 template <typename T, int VEC>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& v) {
-  *reinterpret_cast<Pack<T, VEC>*>(p) = v;
+__device__ __forceinline__ void store_global(T* p, const Pack<T, VEC>& v) {
+  using P = Pack<T, VEC>;
+#if defined(__CUDA_ARCH__)
+  constexpr int kBytes = static_cast<int>(sizeof(P));
+  if constexpr (kBytes == 16) {
+    uint4 w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y),
+                 "r"(w.z), "r"(w.w)
+                 : "memory");
+  } else if constexpr (kBytes == 8) {
+    uint2 w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+  } else if constexpr (kBytes == 4) {
+    unsigned int w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+  } else {
+    static_assert(kBytes == 2, "unexpected pack size");
+    unsigned short w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.b16 [%0], %1;\n" ::"l"(p), "h"(w) : "memory");
+  }
+#else
+  *reinterpret_cast<P*>(p) = v;
+#endif
 }
 
 template <typename T, int VEC>
@@ -86,6 +148,29 @@ __device__ __forceinline__ scalar_t* grad_row(const SourceTable& table,
   void* base = i < kTableCapacity ? table.first[i].grad
                                   : overflow[i - kTableCapacity].grad;
   return static_cast<scalar_t*>(base) + t * static_cast<int64_t>(D);
+}
+
+// Rows i0 .. i0+SU-1 of token t (zeros past N and past D) from global memory.
+template <typename scalar_t, int VEC, int VPT, int SU>
+__device__ __forceinline__ void load_rows(const SourceTable& table,
+                                          const SourceEntry* overflow, int i0,
+                                          int N, int64_t t, int lane, int G,
+                                          int D, Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
+#pragma unroll
+  for (int j = 0; j < SU; ++j) {
+    if (i0 + j < N) {
+      const scalar_t* row = source_row<scalar_t>(table, overflow, i0 + j, t);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + lane) * VEC;
+        rows[j][k] = c < D ? load_global<scalar_t, VEC>(row + c)
+                           : zero_pack<scalar_t, VEC>();
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
+    }
+  }
 }
 
 // Sums NV values over the G threads of a group; every thread of the group
@@ -185,22 +270,28 @@ __global__ void __launch_bounds__(kMaxThreads)
     sm.m = acc_t(0);
     sm.l = acc_t(1);
 
+    // Software pipeline (when registers allow): the next batch's loads are
+    // issued before this batch's reduction, so they are in flight while it
+    // runs.
+    constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetch;
+    Row next[SU][VPT];
+    if constexpr (kPrefetch) {
+      load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, 0, N, t, pos.lane, G, D, next);
+    }
     for (int i0 = 0; i0 < N; i0 += SU) {
       Row rows[SU][VPT];
+      if constexpr (kPrefetch) {
 #pragma unroll
-      for (int j = 0; j < SU; ++j) {
-        if (i0 + j < N) {
-          const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i0 + j, t);
+        for (int j = 0; j < SU; ++j) {
 #pragma unroll
-          for (int k = 0; k < VPT; ++k) {
-            const int c = (k * G + pos.lane) * VEC;
-            rows[j][k] = c < D ? load_pack<scalar_t, VEC>(row + c)
-                               : zero_pack<scalar_t, VEC>();
-          }
-        } else {
-#pragma unroll
-          for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
+          for (int k = 0; k < VPT; ++k) rows[j][k] = next[j][k];
         }
+        if (i0 + SU < N) {
+          load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0 + SU, N, t, pos.lane, G, D,
+                                            next);
+        }
+      } else {
+        load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0, N, t, pos.lane, G, D, rows);
       }
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];
@@ -210,7 +301,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int k = 0; k < VPT; ++k) {
         const int c = (k * G + pos.lane) * VEC;
         if (c < D) {
-          const Acc u = load_pack<acc_t, VEC>(p.u + c);
+          const Acc u = load_global<acc_t, VEC>(p.u + c);
 #pragma unroll
           for (int j = 0; j < SU; ++j) {
 #pragma unroll
@@ -276,7 +367,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int e = 0; e < VEC; ++e) {
             o.x[e] = static_cast<scalar_t>(acc[k][e] * inv);
           }
-          store_pack<scalar_t, VEC>(out_row + c, o);
+          store_global<scalar_t, VEC>(out_row + c, o);
         }
       }
       for (int i = pos.lane; i < N; i += G) {
@@ -325,6 +416,14 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int e = 0; e < VEC; ++e) z[k][e] = acc_t(0);
   }
 
+  constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
+  auto copy_rows = [](Row (&dst)[SU][VPT], const Row (&src)[SU][VPT]) {
+#pragma unroll
+    for (int j = 0; j < SU; ++j) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) dst[j][k] = src[j][k];
+    }
+  };
   // Rows i0 .. i0+SU-1 of token t, from shared memory or global memory.
   auto fetch_rows = [&](int i0, int64_t t, Row (&rows)[SU][VPT]) {
 #pragma unroll
@@ -338,7 +437,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           const int c = (k * G + pos.lane) * VEC;
           if (c < D) {
             rows[j][k] = p.stage ? stage[(i * VPT + k) * G + pos.lane]
-                                 : load_pack<scalar_t, VEC>(row + c);
+                                 : load_global<scalar_t, VEC>(row + c);
           } else {
             rows[j][k] = zero_pack<scalar_t, VEC>();
           }
@@ -373,17 +472,25 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int c = (k * G + pos.lane) * VEC;
-        dh[k] = c < D ? load_pack<scalar_t, VEC>(row + c)
+        dh[k] = c < D ? load_global<scalar_t, VEC>(row + c)
                       : zero_pack<scalar_t, VEC>();
       }
     }
     if (p.stage) copy_async_commit_and_wait();
 
-    // Pass 1: sum_j a_j dp_j.
+    // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
+    // current one is used when registers allow (kPrefetch).
+    Row next[SU][VPT];
+    if constexpr (kPrefetch) fetch_rows(0, t, next);
     acc_t sum_a_dp[1] = {acc_t(0)};
     for (int i0 = 0; i0 < N; i0 += SU) {
       Row rows[SU][VPT];
-      fetch_rows(i0, t, rows);
+      if constexpr (kPrefetch) {
+        copy_rows(rows, next);
+        if (i0 + SU < N) fetch_rows(i0 + SU, t, next);
+      } else {
+        fetch_rows(i0, t, rows);
+      }
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
         if (i0 + j < N) {
@@ -404,10 +511,16 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     // Pass 2, last batch first.
     const int n_batches = (N + SU - 1) / SU;
+    if constexpr (kPrefetch) fetch_rows((n_batches - 1) * SU, t, next);
     for (int b = n_batches - 1; b >= 0; --b) {
       const int i0 = b * SU;
       Row rows[SU][VPT];
-      fetch_rows(i0, t, rows);
+      if constexpr (kPrefetch) {
+        copy_rows(rows, next);
+        if (b > 0) fetch_rows(i0 - SU, t, next);
+      } else {
+        fetch_rows(i0, t, rows);
+      }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
 #pragma unroll
       for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
@@ -415,7 +528,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int k = 0; k < VPT; ++k) {
         const int c = (k * G + pos.lane) * VEC;
         if (c < D) {
-          const Acc u = load_pack<acc_t, VEC>(p.u + c);
+          const Acc u = load_global<acc_t, VEC>(p.u + c);
 #pragma unroll
           for (int j = 0; j < SU; ++j) {
 #pragma unroll
@@ -444,7 +557,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int k = 0; k < VPT; ++k) {
             const int c = (k * G + pos.lane) * VEC;
             if (c < D) {
-              const Acc u = load_pack<acc_t, VEC>(p.u + c);
+              const Acc u = load_global<acc_t, VEC>(p.u + c);
               Row o;
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
@@ -454,7 +567,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                     g.beta, v));
                 z[k][e] += g.alpha * v;
               }
-              store_pack<scalar_t, VEC>(out_row + c, o);
+              store_global<scalar_t, VEC>(out_row + c, o);
             }
           }
         }

@@ -80,11 +80,11 @@ template <typename scalar_t>
 constexpr int natural_vec() {
   return 16 / static_cast<int>(sizeof(scalar_t));
 }
-constexpr int kCandidateVpts[] = {1, 2, 4, 8, 32};
+constexpr int kCandidateVpts[] = {1, 2, 4, 8, 16, 32};
 constexpr int kMaxElemsPerThread = 32;
 
 constexpr bool tile_is_compiled(int vec, int vpt, int natural) {
-  if (vec == 1) return vpt == 1 || vpt == 4 || vpt == 32;
+  if (vec == 1) return vpt == 1 || vpt == 4 || vpt == 16 || vpt == 32;
   return vec == natural && (vpt == 1 || vpt == 2 || vpt == 4 || vpt == 8) &&
          vec * vpt <= kMaxElemsPerThread;
 }
@@ -124,6 +124,7 @@ void with_tile(int vec, int vpt, F&& f) {
     switch (vpt) {
       case 1: return f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
       case 4: return f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+      case 16: return f(integral_constant<int, 1>{}, integral_constant<int, 16>{});
       case 32: return f(integral_constant<int, 1>{}, integral_constant<int, 32>{});
       default: break;
     }

@@ -36,11 +36,11 @@ inline int next_pow2(int x) {
 // Threads per token: a power of two <= 32 (several tokens per warp) when a
 // warp's worth of threads can hold the row, else a multiple of 32 (<= 256
 // when possible, so a token keeps few warps busy on reductions).
-inline std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec,
-                                              int natural) {
+inline std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec, int natural,
+                                                     int max_elems) {
   const int64_t packs = ceil_div(D, vec);
   for (int vpt : kCandidateVpts) {
-    if (!tile_is_compiled(vec, vpt, natural)) continue;
+    if (!tile_is_compiled(vec, vpt, natural) || vec * vpt > max_elems) continue;
     const int64_t g = ceil_div(packs, vpt);
     if (g <= 32) {
       TileConfig t;
@@ -53,7 +53,7 @@ inline std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec,
   }
   for (int64_t limit : {int64_t(kCtaThreads), int64_t(kMaxThreads)}) {
     for (int vpt : kCandidateVpts) {
-      if (!tile_is_compiled(vec, vpt, natural)) continue;
+      if (!tile_is_compiled(vec, vpt, natural) || vec * vpt > max_elems) continue;
       const int64_t g = ceil_div(packs, vpt);
       if (g <= limit) {
         TileConfig t;
@@ -68,13 +68,25 @@ inline std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec,
   return std::nullopt;
 }
 
-inline TileConfig choose_tile(int64_t D, bool vector_ok, int natural) {
-  if (vector_ok && D % natural == 0) {
-    if (auto t = choose_tile_for_vec(D, natural, natural)) return *t;
+// The 16-byte path when the rows allow it, else the scalar one; tiles of at
+// most preferred_elems elements per thread first, up to 32 when D needs it.
+inline TileConfig choose_tile(int64_t D, bool vector_ok, int natural,
+                              int preferred_elems = kMaxElemsPerThread) {
+  for (int vec : {natural, 1}) {
+    if (vec == natural && !(vector_ok && D % natural == 0)) continue;
+    for (int max_elems : {preferred_elems, kMaxElemsPerThread}) {
+      if (auto t = choose_tile_for_vec(D, vec, natural, max_elems)) return *t;
+    }
   }
-  auto t = choose_tile_for_vec(D, 1, natural);
-  TORCH_CHECK(t.has_value(), "attnres: no CUDA tile for D = ", D);
-  return *t;
+  TORCH_CHECK(false, "attnres: no CUDA tile for D = ", D);
+}
+
+// The backward keeps dh and the query-gradient partial in registers besides
+// the rows: it prefers at most 16 elements per thread.
+constexpr int kBackwardPreferredElems = 16;
+
+inline TileConfig choose_backward_tile(int64_t D, bool vector_ok, int natural) {
+  return choose_tile(D, vector_ok, natural, kBackwardPreferredElems);
 }
 
 // Whether rows starting at ptr, row_stride elements apart, can be read in

@@ -123,7 +123,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
 
   // Backward, from the forward's statistics.
   const bool vector_ok_bwd = vector_ok && rows_aligned(dh.data(), D, T, natural, sizeof(scalar_t));
-  const BackwardPlan plan = plan_backward(choose_tile(D, vector_ok_bwd, natural), N, D, natural,
+  const BackwardPlan plan = plan_backward(choose_backward_tile(D, vector_ok_bwd, natural), N, D, natural,
                                           sizeof(acc_t), 227 * 1024);
   const TileConfig& btile = plan.tile;
   BackwardParams<scalar_t> bp{};
