@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
-TOTAL_S=${GPU_CHECK_TOTAL_S:-450}
+TOTAL_S=${GPU_CHECK_TOTAL_S:-460}
 RESULTS=benchmarks/results
 mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu_check.log"
@@ -40,7 +40,7 @@ PY
 
 echo "== tests ($(elapsed) s)"
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 150 python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8
+  timeout 180 python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8
   echo "test_cuda.py rc=$?"
   if [ -f tests/python/test_ops.py ]; then
     timeout 60 python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25
