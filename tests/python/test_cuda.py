@@ -121,9 +121,11 @@ def test_gradcheck_float64(gain, D):
 @pytest.mark.parametrize("gain", [True, False], ids=["gain", "no_gain"])
 def test_opcheck(dtype, gain):
     sources, query, norm_weight, grad_out = make_problem(3, (2, 5), 64, dtype, gain=gain)
-    srcs = [s.requires_grad_(True) for s in sources]
-    q = query.requires_grad_(True)
-    w = norm_weight.requires_grad_(True) if gain else None
+    # The forward with leaves that require grad (autograd registration is
+    # checked); the backward op itself is called on plain tensors.
+    srcs = [s.detach().clone().requires_grad_(True) for s in sources]
+    q = query.detach().clone().requires_grad_(True)
+    w = norm_weight.detach().clone().requires_grad_(True) if gain else None
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (srcs, q, w, 1e-6, 0.9))
     _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
     torch.library.opcheck(
