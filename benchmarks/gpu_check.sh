@@ -3,67 +3,73 @@
 # installed, python3 without a venv): build the extension in place, run the
 # CUDA tests, measure copy bandwidth and time attnres / eager / compile.
 # Designed to finish within 8 minutes: each stage has a time cap and the
-# benchmark gets what is left. Results: benchmarks/results/ and, when $OUT is
-# set, copies there (log, CSV, markdown table, kernel resource usage).
+# benchmark gets what is left (GPU_CHECK_TOTAL_S, default 460 s). Results:
+# benchmarks/results/ and, when $OUT is set, copies there (log, CSV, markdown
+# table, kernel resource usage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 TOTAL_S=${GPU_CHECK_TOTAL_S:-460}
 RESULTS=benchmarks/results
-mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu_check.log"
-exec > >(tee "$LOG") 2>&1
+mkdir -p "$RESULTS"
 elapsed() { echo $(( $(date +%s) - START )); }
 
-echo "== machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi not available"
-python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
-command -v nvcc >/dev/null && nvcc --version | tail -1
+run_all() {
+  echo "== machine"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi not available"
+  python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+  command -v nvcc >/dev/null && nvcc --version | tail -1
 
-echo "== build ($(elapsed) s)"
-MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 timeout 240 python3 setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1
-build_rc=$?
-grep "attnres build:" "$RESULTS/build.log"
-if [ $build_rc -ne 0 ]; then
-  echo "BUILD FAILED (rc=$build_rc); last lines of the build log:"
-  tail -40 "$RESULTS/build.log"
-  [ -n "${OUT:-}" ] && cp "$LOG" "$RESULTS/build.log" "$OUT/"
-  exit 1
-fi
-export PYTHONPATH=python
-SO=$(ls python/attnres/_C*.so | head -1)
-command -v cuobjdump >/dev/null && cuobjdump --dump-resource-usage "$SO" > "$RESULTS/resource_usage.txt" 2>&1
-python3 - <<'PY'
-import torch, attnres
-print("attnres CUDA kernel registered:", torch._C._dispatch_has_kernel_for_dispatch_key("attnres::depth_attention_fwd", "CUDA"))
-PY
-
-echo "== tests ($(elapsed) s)"
-if python3 -c "import pytest" 2>/dev/null; then
-  timeout 180 python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8
-  echo "test_cuda.py rc=$?"
-  if [ -f tests/python/test_ops.py ]; then
-    timeout 60 python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25
-    echo "test_ops.py -k cuda rc=$?"
-  else
-    echo "tests/python/test_ops.py not present: skipped"
+  echo "== build ($(elapsed) s)"
+  MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 timeout 240 python3 setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1
+  local build_rc=$?
+  grep "attnres build:" "$RESULTS/build.log"
+  if [ $build_rc -ne 0 ]; then
+    echo "BUILD FAILED (rc=$build_rc); last lines of the build log:"
+    tail -40 "$RESULTS/build.log"
+    return 1
   fi
-else
-  echo "pytest is not installed on this machine: the CUDA tests were NOT run"
-fi
+  export PYTHONPATH=python
+  local so
+  so=$(ls python/attnres/_C*.so | head -1)
+  if command -v cuobjdump >/dev/null; then
+    cuobjdump --dump-resource-usage "$so" > "$RESULTS/resource_usage.txt" 2>&1
+  fi
+  python3 -c "import torch, attnres; print('attnres CUDA kernels registered:', torch._C._dispatch_has_kernel_for_dispatch_key('attnres::depth_attention_fwd', 'CUDA'))"
 
-left=$(( TOTAL_S - $(elapsed) ))
-echo "== benchmark ($(elapsed) s elapsed, ${left} s left)"
-if [ $left -gt 40 ]; then
-  timeout $(( left )) python3 benchmarks/bench_gpu.py --budget-s $(( left - 30 ))
-  echo "bench_gpu.py rc=$?"
-else
-  echo "no time left for the benchmark"
-fi
-echo "== done in $(elapsed) s"
+  echo "== tests ($(elapsed) s)"
+  if python3 -c "import pytest" 2>/dev/null; then
+    timeout 180 python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8
+    echo "test_cuda.py rc=$?"
+    if [ -f tests/python/test_ops.py ]; then
+      timeout 60 python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25
+      echo "test_ops.py -k cuda rc=$?"
+    else
+      echo "tests/python/test_ops.py not present: skipped"
+    fi
+  else
+    echo "pytest is not installed on this machine: the CUDA tests were NOT run"
+  fi
 
+  local left=$(( TOTAL_S - $(elapsed) ))
+  echo "== benchmark ($(elapsed) s elapsed, ${left} s left)"
+  if [ $left -gt 40 ]; then
+    timeout $(( left )) python3 benchmarks/bench_gpu.py --budget-s $(( left - 30 ))
+    echo "bench_gpu.py rc=$?"
+  else
+    echo "no time left for the benchmark"
+  fi
+  echo "== done in $(elapsed) s"
+}
+
+run_all 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
-  cp "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$OUT/" 2>/dev/null
   cp "$LOG" "$OUT/"
+  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log"; do
+    [ -f "$f" ] && cp "$f" "$OUT/"
+  done
 fi
+exit $rc

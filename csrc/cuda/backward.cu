@@ -82,6 +82,17 @@ int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes) {
   return blocks;
 }
 
+template <typename acc_t>
+void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z,
+                             cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((D + kSumColumns - 1) / kSumColumns);
+  sum_partial_rows_kernel<acc_t><<<blocks, kSumColumns * kSumSlices, 0, stream>>>(partial, rows, D, z);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void launch_sum_partial_rows<float>(const float*, int64_t, int, float*, cudaStream_t);
+template void launch_sum_partial_rows<double>(const double*, int64_t, int, double*, cudaStream_t);
+
 #define ATTNRES_INSTANTIATE_BACKWARD(T)                                        \
   template void launch_backward<T>(const BackwardParams<T>&,                   \
                                    const LaunchConfig&, cudaStream_t);         \

@@ -9,7 +9,7 @@
 //    parameters carry them (no pageable memcpy);
 //  - scratch memory comes from the caching allocator;
 //  - the query/gain gradient is reduced deterministically: per-CTA partial
-//    rows, then a fixed-order sum (no float atomics).
+//    rows, then a fixed-order sum (sum_partial_rows_kernel; no float atomics).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -40,18 +40,6 @@ __global__ void fill_overflow_table(const __grid_constant__ OverflowChunk chunk,
                                     SourceEntry* dst) {
   const int i = static_cast<int>(threadIdx.x);
   if (i < chunk.count) dst[i] = chunk.entries[i];
-}
-
-// z[d] = sum over rows of partial[row, d], rows in order: the same bits
-// every run.
-template <typename acc_t>
-__global__ void sum_partial_rows(const acc_t* partial, int64_t rows, int64_t D,
-                                 acc_t* z) {
-  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (d >= D) return;
-  acc_t sum = acc_t(0);
-  for (int64_t r = 0; r < rows; ++r) sum += partial[r * D + d];
-  z[d] = sum;
 }
 
 namespace {
@@ -239,11 +227,8 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
           params.z_partial = partial.data_ptr<acc_t>();
           launch_backward<scalar_t>(params, config, stream);
 
-          constexpr int kSumThreads = 256;
-          sum_partial_rows<acc_t>
-              <<<static_cast<unsigned>(ceil_div(p.D, kSumThreads)), kSumThreads, 0, stream>>>(
-                  partial.const_data_ptr<acc_t>(), config.grid, p.D, z.data_ptr<acc_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), config.grid,
+                                         static_cast<int>(p.D), z.data_ptr<acc_t>(), stream);
         });
   }
 

@@ -608,5 +608,36 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int d = threadIdx.x; d < D; d += blockDim.x) z_row[d] = z_sum[d];
 }
 
+// ---------------------------------------------------------------------------
+// Second pass of the query/gain gradient: z[d] = sum over the backward CTAs'
+// partial rows. Thread (slice, column) of a CTA sums rows slice, slice +
+// kSumSlices, ... of one column, then the slices are added in slice order:
+// a fixed order, so the same bits every run, with kSumSlices loads in flight
+// per column instead of one long dependent chain.
+constexpr int kSumColumns = 32;
+constexpr int kSumSlices = 8;
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kSumColumns * kSumSlices)
+    sum_partial_rows_kernel(const acc_t* partial, int64_t rows, int D, acc_t* z) {
+  __shared__ acc_t slice_sums[kSumSlices][kSumColumns];
+  const int column = static_cast<int>(threadIdx.x) % kSumColumns;
+  const int slice = static_cast<int>(threadIdx.x) / kSumColumns;
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * kSumColumns + column;
+  acc_t sum = acc_t(0);
+  if (d < D) {
+#pragma unroll 4
+    for (int64_t r = slice; r < rows; r += kSumSlices) sum += partial[r * D + d];
+  }
+  slice_sums[slice][column] = sum;
+  __syncthreads();
+  if (slice == 0 && d < D) {
+    acc_t total = slice_sums[0][column];
+#pragma unroll
+    for (int k = 1; k < kSumSlices; ++k) total += slice_sums[k][column];
+    z[d] = total;
+  }
+}
+
 }  // namespace cuda
 }  // namespace attnres

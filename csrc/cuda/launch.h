@@ -142,6 +142,11 @@ template <typename scalar_t>
 void launch_backward(const BackwardParams<scalar_t>& params,
                      const LaunchConfig& config, cudaStream_t stream);
 
+// z[d] = sum of the backward's partial rows [rows, D], in a fixed order.
+template <typename acc_t>
+void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z,
+                             cudaStream_t stream);
+
 // Resident CTAs per SM of the backward kernel for a tile (sizes its grid).
 template <typename scalar_t>
 int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes);

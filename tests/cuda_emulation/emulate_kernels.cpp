@@ -4,7 +4,7 @@
 // exercises what the CPU kernels cannot: the thread/lane -> element map,
 // masking, group reductions, tokens per CTA, the grid-stride token loop,
 // backward staging in shared memory, the source table overflow and the
-// per-CTA query-gradient partials. Built and run by
+// per-CTA query-gradient partials and their fixed-order sum. Built and run by
 // tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -149,10 +149,10 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
                 plan.smem_bytes, [&] { depth_attention_bwd_kernel<scalar_t, VEC, VPT>(bp); });
   });
-  std::vector<double> z(D, 0.0);
-  for (int64_t r = 0; r < bgrid; ++r) {
-    for (int d = 0; d < D; ++d) z[d] += partial[r * D + d];
-  }
+  std::vector<acc_t> z_acc(D, static_cast<acc_t>(NAN));
+  emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
+              [&] { sum_partial_rows_kernel<acc_t>(partial.data(), bgrid, D, z_acc.data()); });
+  std::vector<double> z(z_acc.begin(), z_acc.end());
 
   // Float64 evaluation of DESIGN.md §1-§2, token by token.
   std::vector<double> ref_out(T * D), ref_rstd(N * T), ref_w(N * T), ref_z(D, 0.0);
@@ -259,6 +259,7 @@ int main(int argc, char** argv) {
   run(float{}, {{1, 4, 3, 0, false, 4},
                 {7, 9, 64, 0, false, 2},
                 {3, 70, 64, 0, false, 2},        // 5 token blocks on 2 CTAs
+                {2, 400, 64, 0, false, 20},      // 20 partial rows to sum
                 {5, 6, 1000, 0, false, 2},       // warp per token, 8 packs per lane
                 {3, 4, 2052, 0, false, 2},       // block mode, 2 tokens per CTA
                 {2, 3, 16384, 0, false, 2},      // the widest rows
