@@ -1,0 +1,643 @@
+// Device side of the CUDA depth-attention kernels (included by forward.cu and
+// backward.cu). The per-token formulas come from attnres/depth_math.h, the
+// same header the CPU kernels use.
+//
+// Work layout. One token is handled by a *group* of G threads. Each thread
+// owns VPT chunks of VEC contiguous elements of the row: chunk k of lane l
+// covers elements [(k*G + l)*VEC, +VEC). The same element->thread map is used
+// for every source of the token, so the softmax accumulator, dh and the
+// query-gradient accumulator live in registers. G <= 32 (a power of two):
+// several tokens per warp/CTA, reductions by warp shuffles. G > 32 (a
+// multiple of 32): one token per G threads, reductions through shared memory.
+// Sources are read SU rows at a time so several rows' loads are in flight.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include "attnres/depth_math.h"
+#include "launch.h"
+
+namespace attnres {
+namespace cuda {
+
+// Compile-time shape of one thread's slice of a row.
+template <typename scalar_t, int VEC_, int VPT_>
+struct Tile {
+  static constexpr int VEC = VEC_;
+  static constexpr int VPT = VPT_;
+  // Registers one row of the slice takes as loaded (a 2-byte scalar still
+  // takes a whole register).
+  static constexpr int kRegsPerRow =
+      VPT * ((VEC * static_cast<int>(sizeof(scalar_t)) + 3) / 4);
+  // Rows per batch: about 16 registers of packed rows (the kernels keep two
+  // batches: the one being used and the next one in flight).
+  static constexpr int SU =
+      kRegsPerRow >= 16 ? 1 : (16 / kRegsPerRow > 4 ? 4 : 16 / kRegsPerRow);
+  // Whether the next batch is loaded while this one is reduced: only when
+  // the accumulator and two batches of rows fit in about 64 registers
+  // (otherwise the extra batch spills).
+  static constexpr int kAccRegs =
+      VPT * VEC * static_cast<int>(sizeof(at::opmath_type<scalar_t>)) / 4;
+  static constexpr bool kPrefetch = kAccRegs + 2 * SU * kRegsPerRow <= 64;
+  // The backward also keeps dh (one row) and the query-gradient partial z.
+  static constexpr bool kPrefetchBackward =
+      kAccRegs + kRegsPerRow + 2 * SU * kRegsPerRow <= 64;
+  static_assert(2 * SU <= kMaxReduce, "reduction buffer too small");
+};
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T x[VEC];
+};
+
+// Packs in global memory, through explicit global-space instructions
+// (__ldg: LDG, st.global: STG). Pointers read from the source table are not
+// known to the compiler as global and would otherwise get generic LD/ST.
+// Sources, dh and u are read-only while a kernel runs.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_global(const T* p) {
+  using P = Pack<T, VEC>;
+#if defined(__CUDA_ARCH__)
+  constexpr int kBytes = static_cast<int>(sizeof(P));
+  P out;
+  if constexpr (kBytes % 16 == 0) {
+    uint4 words[kBytes / 16];
+#pragma unroll
+    for (int w = 0; w < kBytes / 16; ++w) words[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
+    __builtin_memcpy(&out, words, kBytes);
+  } else if constexpr (kBytes == 8) {
+    const uint2 word = __ldg(reinterpret_cast<const uint2*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  } else if constexpr (kBytes == 4) {
+    const unsigned int word = __ldg(reinterpret_cast<const unsigned int*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  } else {
+    static_assert(kBytes == 2, "unexpected pack size");
+    const unsigned short word = __ldg(reinterpret_cast<const unsigned short*>(p));
+    __builtin_memcpy(&out, &word, kBytes);
+  }
+  return out;
+#else
+  return *reinterpret_cast<const P*>(p);
+#endif
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_global(T* p, const Pack<T, VEC>& v) {
+  using P = Pack<T, VEC>;
+#if defined(__CUDA_ARCH__)
+  constexpr int kBytes = static_cast<int>(sizeof(P));
+  if constexpr (kBytes == 16) {
+    uint4 w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y),
+                 "r"(w.z), "r"(w.w)
+                 : "memory");
+  } else if constexpr (kBytes == 8) {
+    uint2 w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+  } else if constexpr (kBytes == 4) {
+    unsigned int w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+  } else {
+    static_assert(kBytes == 2, "unexpected pack size");
+    unsigned short w;
+    __builtin_memcpy(&w, &v, kBytes);
+    asm volatile("st.global.b16 [%0], %1;\n" ::"l"(p), "h"(w) : "memory");
+  }
+#else
+  *reinterpret_cast<P*>(p) = v;
+#endif
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> zero_pack() {
+  Pack<T, VEC> z;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) z.x[e] = T(0);
+  return z;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ const scalar_t* source_row(
+    const SourceTable& table, const SourceEntry* overflow, int i, int64_t t) {
+  const void* base;
+  int64_t stride;
+  if (i < kTableCapacity) {
+    base = table.first[i].src;
+    stride = table.first[i].row_stride;
+  } else {
+    const SourceEntry& e = overflow[i - kTableCapacity];
+    base = e.src;
+    stride = e.row_stride;
+  }
+  return static_cast<const scalar_t*>(base) + t * stride;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t* grad_row(const SourceTable& table,
+                                              const SourceEntry* overflow,
+                                              int i, int64_t t, int D) {
+  void* base = i < kTableCapacity ? table.first[i].grad
+                                  : overflow[i - kTableCapacity].grad;
+  return static_cast<scalar_t*>(base) + t * static_cast<int64_t>(D);
+}
+
+// Rows i0 .. i0+SU-1 of token t (zeros past N and past D) from global memory.
+template <typename scalar_t, int VEC, int VPT, int SU>
+__device__ __forceinline__ void load_rows(const SourceTable& table,
+                                          const SourceEntry* overflow, int i0,
+                                          int N, int64_t t, int lane, int G,
+                                          int D, Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
+#pragma unroll
+  for (int j = 0; j < SU; ++j) {
+    if (i0 + j < N) {
+      const scalar_t* row = source_row<scalar_t>(table, overflow, i0 + j, t);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + lane) * VEC;
+        rows[j][k] = c < D ? load_global<scalar_t, VEC>(row + c)
+                           : zero_pack<scalar_t, VEC>();
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
+    }
+  }
+}
+
+// Sums NV values over the G threads of a group; every thread of the group
+// gets bitwise the same sums (xor butterflies add commutative pairs, the
+// cross-warp step adds the warps' partials in a fixed order). Block mode
+// (G > 32) needs every thread of the CTA to call it; `red` is double
+// buffered by `parity` so one barrier per call suffices.
+template <int NV, typename acc_t>
+__device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
+                                                acc_t* red, int& parity) {
+  const int width = G < 32 ? G : 32;
+  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+    }
+  }
+  if (G > 32) {
+    acc_t* buf = red + parity * (kMaxWarps * kMaxReduce);
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) buf[warp * kMaxReduce + j] = v[j];
+    }
+    __syncthreads();
+    const int warps_per_group = G >> 5;
+    const int first = (threadIdx.x / G) * warps_per_group;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      acc_t s = buf[first * kMaxReduce + j];
+      for (int w = 1; w < warps_per_group; ++w) {
+        s += buf[(first + w) * kMaxReduce + j];
+      }
+      v[j] = s;
+    }
+    parity ^= 1;
+  }
+}
+
+// 16-byte asynchronous global->shared copy (sm_80+); a plain copy elsewhere.
+__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s),
+               "l"(gmem)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit_and_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Position of the calling thread: group (token slot in the CTA) and lane.
+struct GroupPos {
+  int group;
+  int lane;
+  __device__ __forceinline__ explicit GroupPos(int G) {
+    group = static_cast<int>(threadIdx.x) / G;
+    lane = static_cast<int>(threadIdx.x) - group * G;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Forward: one pass over the sources with an online softmax; each source row
+// is read from global memory exactly once.
+template <typename scalar_t, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreads)
+    depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  using Acc = Pack<acc_t, VEC>;
+  constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
+  __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
+
+  const int G = p.group;
+  const GroupPos pos(G);
+  const int N = p.N;
+  const int D = p.D;
+  const int64_t T = p.T;
+  int parity = 0;
+
+  for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
+    // Surplus groups of the last block compute on a valid token (so every
+    // thread reaches the barriers) and store nothing.
+    const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
+    const bool active = t_wanted < T;
+    const int64_t t = active ? t_wanted : T - 1;
+
+    acc_t acc[VPT][VEC];
+    math::OnlineSoftmax<acc_t> sm;
+    sm.m = acc_t(0);
+    sm.l = acc_t(1);
+
+    // Software pipeline (when registers allow): the next batch's loads are
+    // issued before this batch's reduction, so they are in flight while it
+    // runs.
+    constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetch;
+    Row next[SU][VPT];
+    if constexpr (kPrefetch) {
+      load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, 0, N, t, pos.lane, G, D, next);
+    }
+    for (int i0 = 0; i0 < N; i0 += SU) {
+      Row rows[SU][VPT];
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int j = 0; j < SU; ++j) {
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) rows[j][k] = next[j][k];
+        }
+        if (i0 + SU < N) {
+          load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0 + SU, N, t, pos.lane, G, D,
+                                            next);
+        }
+      } else {
+        load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0, N, t, pos.lane, G, D, rows);
+      }
+      // Per row: sum(v^2) and dot(u, v).
+      acc_t sums[2 * SU];
+#pragma unroll
+      for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + pos.lane) * VEC;
+        if (c < D) {
+          const Acc u = load_global<acc_t, VEC>(p.u + c);
+#pragma unroll
+          for (int j = 0; j < SU; ++j) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
+              sums[2 * j] += v * v;
+              sums[2 * j + 1] += u.x[e] * v;
+            }
+          }
+        }
+      }
+      group_allreduce<2 * SU>(sums, G, red, parity);
+
+#pragma unroll
+      for (int j = 0; j < SU; ++j) {
+        const int i = i0 + j;
+        if (i < N) {
+          const acc_t r = math::rstd_from_sumsq(sums[2 * j], D, p.eps);
+          const acc_t s = math::score(r, sums[2 * j + 1]);
+          // The score is parked in `weights` by the lane that will turn it
+          // into a weight once the softmax is complete (same thread: no
+          // synchronization needed).
+          if (active && pos.lane == i % G) {
+            const int64_t idx = static_cast<int64_t>(i) * T + t;
+            p.rstd[idx] = r;
+            p.weights[idx] = s;
+          }
+          if (i == 0) {
+            sm.init(s);  // acc starts as a copy of v_0, as on the CPU
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                acc[k][e] = static_cast<acc_t>(rows[j][k].x[e]);
+              }
+            }
+          } else {
+            acc_t rescale, pw;
+            sm.push(s, rescale, pw);
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                acc[k][e] = math::online_accumulate(
+                    acc[k][e], rescale, pw,
+                    static_cast<acc_t>(rows[j][k].x[e]));
+              }
+            }
+          }
+        }
+      }
+    }
+
+    if (active) {
+      const acc_t inv = sm.inv_sum();
+      scalar_t* out_row = p.out + t * static_cast<int64_t>(D);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + pos.lane) * VEC;
+        if (c < D) {
+          Row o;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            o.x[e] = static_cast<scalar_t>(acc[k][e] * inv);
+          }
+          store_global<scalar_t, VEC>(out_row + c, o);
+        }
+      }
+      for (int i = pos.lane; i < N; i += G) {
+        const int64_t idx = static_cast<int64_t>(i) * T + t;
+        p.weights[idx] = sm.weight(p.weights[idx]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward. Per token:
+//   pass 1: sum_a_dp = sum_i a_i <dh, v_i>   (one reduction in total)
+//   pass 2: per source dp_i = <dh, v_i>, s_i = r_i <u, v_i> (reduced), then
+//           dv_i = a_i dh + alpha_i u + beta_i v_i, written once, and
+//           z += alpha_i v_i in registers.
+// v_i is needed in both passes. When the token's N rows fit the staging
+// budget they are copied once into shared memory (cp.async) and both passes
+// read them there; otherwise pass 2 reads them again from global memory, in
+// reverse order so the most recently read rows (likeliest in L2) go first.
+// z: per-CTA partial rows, summed in a fixed order by a second kernel.
+template <typename scalar_t, int VEC, int VPT>
+__global__ void __launch_bounds__(kMaxThreads)
+    depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  using Acc = Pack<acc_t, VEC>;
+  constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
+  __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+
+  const int G = p.group;
+  const GroupPos pos(G);
+  const int N = p.N;
+  const int D = p.D;
+  const int64_t T = p.T;
+  int parity = 0;
+  // This group's staging area: entry (i, k) of this lane at [(i*VPT+k)*G+lane].
+  Row* stage = reinterpret_cast<Row*>(dynamic_smem) +
+               static_cast<int64_t>(pos.group) * N * VPT * G;
+
+  acc_t z[VPT][VEC];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) z[k][e] = acc_t(0);
+  }
+
+  constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
+  auto copy_rows = [](Row (&dst)[SU][VPT], const Row (&src)[SU][VPT]) {
+#pragma unroll
+    for (int j = 0; j < SU; ++j) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) dst[j][k] = src[j][k];
+    }
+  };
+  // Rows i0 .. i0+SU-1 of token t, from shared memory or global memory.
+  auto fetch_rows = [&](int i0, int64_t t, Row (&rows)[SU][VPT]) {
+#pragma unroll
+    for (int j = 0; j < SU; ++j) {
+      const int i = i0 + j;
+      if (i < N) {
+        const scalar_t* row =
+            p.stage ? nullptr : source_row<scalar_t>(p.table, p.overflow, i, t);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int c = (k * G + pos.lane) * VEC;
+          if (c < D) {
+            rows[j][k] = p.stage ? stage[(i * VPT + k) * G + pos.lane]
+                                 : load_global<scalar_t, VEC>(row + c);
+          } else {
+            rows[j][k] = zero_pack<scalar_t, VEC>();
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
+      }
+    }
+  };
+
+  for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
+    const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
+    const bool active = t_wanted < T;
+    const int64_t t = active ? t_wanted : T - 1;
+
+    if (sizeof(Row) == 16 && p.stage) {
+      // Only 16-byte packs are staged (the host enables staging only then).
+      // Each thread copies and later reads back only its own entries.
+      for (int i = 0; i < N; ++i) {
+        const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int c = (k * G + pos.lane) * VEC;
+          if (c < D) copy_async_16(&stage[(i * VPT + k) * G + pos.lane], row + c);
+        }
+      }
+    }
+    Row dh[VPT];
+    {
+      const scalar_t* row = p.grad_out + t * p.grad_out_stride;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + pos.lane) * VEC;
+        dh[k] = c < D ? load_global<scalar_t, VEC>(row + c)
+                      : zero_pack<scalar_t, VEC>();
+      }
+    }
+    if (p.stage) copy_async_commit_and_wait();
+
+    // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
+    // current one is used when registers allow (kPrefetch).
+    Row next[SU][VPT];
+    if constexpr (kPrefetch) fetch_rows(0, t, next);
+    acc_t sum_a_dp[1] = {acc_t(0)};
+    for (int i0 = 0; i0 < N; i0 += SU) {
+      Row rows[SU][VPT];
+      if constexpr (kPrefetch) {
+        copy_rows(rows, next);
+        if (i0 + SU < N) fetch_rows(i0 + SU, t, next);
+      } else {
+        fetch_rows(i0, t, rows);
+      }
+#pragma unroll
+      for (int j = 0; j < SU; ++j) {
+        if (i0 + j < N) {
+          acc_t dot = acc_t(0);
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              dot += static_cast<acc_t>(dh[k].x[e]) *
+                     static_cast<acc_t>(rows[j][k].x[e]);
+            }
+          }
+          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * T + t] * dot;
+        }
+      }
+    }
+    group_allreduce<1>(sum_a_dp, G, red, parity);
+
+    // Pass 2, last batch first.
+    const int n_batches = (N + SU - 1) / SU;
+    if constexpr (kPrefetch) fetch_rows((n_batches - 1) * SU, t, next);
+    for (int b = n_batches - 1; b >= 0; --b) {
+      const int i0 = b * SU;
+      Row rows[SU][VPT];
+      if constexpr (kPrefetch) {
+        copy_rows(rows, next);
+        if (b > 0) fetch_rows(i0 - SU, t, next);
+      } else {
+        fetch_rows(i0, t, rows);
+      }
+      acc_t sums[2 * SU];  // dp_i, <u, v_i>
+#pragma unroll
+      for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + pos.lane) * VEC;
+        if (c < D) {
+          const Acc u = load_global<acc_t, VEC>(p.u + c);
+#pragma unroll
+          for (int j = 0; j < SU; ++j) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
+              sums[2 * j] += static_cast<acc_t>(dh[k].x[e]) * v;
+              sums[2 * j + 1] += u.x[e] * v;
+            }
+          }
+        }
+      }
+      group_allreduce<2 * SU>(sums, G, red, parity);
+
+#pragma unroll
+      for (int j = 0; j < SU; ++j) {
+        const int i = i0 + j;
+        if (i < N && active) {
+          const int64_t idx = static_cast<int64_t>(i) * T + t;
+          const acc_t a = p.weights[idx];
+          const acc_t r = p.rstd[idx];
+          const acc_t s = math::score(r, sums[2 * j + 1]);
+          const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
+              a, r, s, sums[2 * j], sum_a_dp[0], static_cast<int64_t>(D));
+          scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, D);
+#pragma unroll
+          for (int k = 0; k < VPT; ++k) {
+            const int c = (k * G + pos.lane) * VEC;
+            if (c < D) {
+              const Acc u = load_global<acc_t, VEC>(p.u + c);
+              Row o;
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
+                o.x[e] = static_cast<scalar_t>(math::source_grad(
+                    g.a, static_cast<acc_t>(dh[k].x[e]), g.alpha, u.x[e],
+                    g.beta, v));
+                z[k][e] += g.alpha * v;
+              }
+              store_global<scalar_t, VEC>(out_row + c, o);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // This CTA's partial of z: the groups' registers summed in group order.
+  acc_t* z_row = p.z_partial + static_cast<int64_t>(blockIdx.x) * D;
+  if (p.tokens_per_cta == 1) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * G + pos.lane) * VEC;
+      if (c < D) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) z_row[c + e] = z[k][e];
+      }
+    }
+    return;
+  }
+  __syncthreads();  // the staging area is reused for the sum
+  acc_t* z_sum = reinterpret_cast<acc_t*>(dynamic_smem);
+  for (int g = 0; g < p.tokens_per_cta; ++g) {
+    if (pos.group == g) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * G + pos.lane) * VEC;
+        if (c < D) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            z_sum[c + e] = g == 0 ? z[k][e] : z_sum[c + e] + z[k][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) z_row[d] = z_sum[d];
+}
+
+// ---------------------------------------------------------------------------
+// Second pass of the query/gain gradient: z[d] = sum over the backward CTAs'
+// partial rows. Thread (slice, column) of a CTA sums rows slice, slice +
+// kSumSlices, ... of one column, then the slices are added in slice order:
+// a fixed order, so the same bits every run, with kSumSlices loads in flight
+// per column instead of one long dependent chain.
+constexpr int kSumColumns = 32;
+constexpr int kSumSlices = 8;
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kSumColumns * kSumSlices)
+    sum_partial_rows_kernel(const acc_t* partial, int64_t rows, int D, acc_t* z) {
+  __shared__ acc_t slice_sums[kSumSlices][kSumColumns];
+  const int column = static_cast<int>(threadIdx.x) % kSumColumns;
+  const int slice = static_cast<int>(threadIdx.x) / kSumColumns;
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * kSumColumns + column;
+  acc_t sum = acc_t(0);
+  if (d < D) {
+#pragma unroll 4
+    for (int64_t r = slice; r < rows; r += kSumSlices) sum += partial[r * D + d];
+  }
+  slice_sums[slice][column] = sum;
+  __syncthreads();
+  if (slice == 0 && d < D) {
+    acc_t total = slice_sums[0][column];
+#pragma unroll
+    for (int k = 1; k < kSumSlices; ++k) total += slice_sums[k][column];
+    z[d] = total;
+  }
+}
+
+}  // namespace cuda
+}  // namespace attnres

@@ -1,0 +1,155 @@
+// What the host side and the kernels of the CUDA backend share: kernel
+// parameter blocks, the tile shapes that are compiled, and the launchers.
+// Plain C++ (no device code), so the host translation unit stays light.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <ATen/OpMathType.h>
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace attnres {
+namespace cuda {
+
+// Sources whose pointers travel in the kernel parameters; the rest are read
+// from a device table filled by small kernels (see depth_attention_cuda.cu).
+constexpr int kTableCapacity = 64;
+// Largest CTA: G <= 512 threads per token (block mode), 256 otherwise.
+constexpr int kMaxThreads = 512;
+constexpr int kMaxWarps = kMaxThreads / 32;
+// Most values reduced together (2 per row, up to 4 rows per batch).
+constexpr int kMaxReduce = 8;
+
+struct SourceEntry {
+  const void* src;     // row 0 of the source
+  int64_t row_stride;  // elements between rows (tokens)
+  void* grad;          // backward only: contiguous gradient [T, D]
+};
+
+struct SourceTable {
+  SourceEntry first[kTableCapacity];
+};
+
+template <typename scalar_t>
+struct ForwardParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  SourceTable table;
+  const SourceEntry* overflow;  // sources kTableCapacity.. (device memory)
+  const acc_t* u;               // scale * query * gain, [D]
+  scalar_t* out;                // [T, D] contiguous
+  acc_t* rstd;                  // [N, T]
+  acc_t* weights;               // [N, T]
+  int64_t T;
+  int64_t token_blocks;  // ceil(T / tokens_per_cta)
+  int N;
+  int D;
+  int group;  // G
+  int tokens_per_cta;
+  acc_t eps;
+};
+
+template <typename scalar_t>
+struct BackwardParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  SourceTable table;
+  const SourceEntry* overflow;
+  const acc_t* u;
+  const scalar_t* grad_out;
+  int64_t grad_out_stride;
+  const acc_t* rstd;     // [N, T]
+  const acc_t* weights;  // [N, T]
+  acc_t* z_partial;      // [gridDim.x, D]: one row of sum(alpha_i v_i) per CTA
+  int64_t T;
+  int64_t token_blocks;
+  int N;
+  int D;
+  int group;
+  int tokens_per_cta;
+  bool stage;  // keep the token's rows in shared memory between the passes
+};
+
+// The tile shapes (VEC elements per pack, VPT packs per thread) that are
+// compiled. VEC is 16 bytes' worth of elements (the vector path) or 1 (the
+// scalar path for unaligned rows or D not a multiple of the pack). A thread
+// holds at most 32 elements of a row.
+template <typename scalar_t>
+constexpr int natural_vec() {
+  return 16 / static_cast<int>(sizeof(scalar_t));
+}
+constexpr int kCandidateVpts[] = {1, 2, 4, 8, 16, 32};
+constexpr int kMaxElemsPerThread = 32;
+
+constexpr bool tile_is_compiled(int vec, int vpt, int natural) {
+  if (vec == 1) return vpt == 1 || vpt == 4 || vpt == 16 || vpt == 32;
+  return vec == natural && (vpt == 1 || vpt == 2 || vpt == 4 || vpt == 8) &&
+         vec * vpt <= kMaxElemsPerThread;
+}
+
+struct TileConfig {
+  int vec = 1;
+  int vpt = 1;
+  int group = 1;           // G threads per token
+  int tokens_per_cta = 1;  // CTA size = group * tokens_per_cta
+};
+
+struct LaunchConfig {
+  TileConfig tile;
+  int64_t grid = 1;
+  size_t smem_bytes = 0;  // dynamic shared memory
+};
+
+// Calls f(std::integral_constant<int, VEC>, std::integral_constant<int, VPT>)
+// for the compiled tile matching (vec, vpt).
+template <typename scalar_t, typename F>
+void with_tile(int vec, int vpt, F&& f) {
+  constexpr int NV = natural_vec<scalar_t>();
+  using std::integral_constant;
+  if (vec == NV) {
+    switch (vpt) {
+      case 1: return f(integral_constant<int, NV>{}, integral_constant<int, 1>{});
+      case 2: return f(integral_constant<int, NV>{}, integral_constant<int, 2>{});
+      case 4: return f(integral_constant<int, NV>{}, integral_constant<int, 4>{});
+      case 8:
+        if constexpr (tile_is_compiled(NV, 8, NV)) {
+          return f(integral_constant<int, NV>{}, integral_constant<int, 8>{});
+        }
+        break;
+      default: break;
+    }
+  } else if (vec == 1) {
+    switch (vpt) {
+      case 1: return f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
+      case 4: return f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+      case 16: return f(integral_constant<int, 1>{}, integral_constant<int, 16>{});
+      case 32: return f(integral_constant<int, 1>{}, integral_constant<int, 32>{});
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "attnres: no CUDA kernel compiled for a tile of vec=", vec,
+              ", vpt=", vpt);
+}
+
+// Defined in forward.cu / backward.cu for float, double, Half, BFloat16.
+template <typename scalar_t>
+void launch_forward(const ForwardParams<scalar_t>& params,
+                    const LaunchConfig& config, cudaStream_t stream);
+
+template <typename scalar_t>
+void launch_backward(const BackwardParams<scalar_t>& params,
+                     const LaunchConfig& config, cudaStream_t stream);
+
+// z[d] = sum of the backward's partial rows [rows, D], in a fixed order.
+template <typename acc_t>
+void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z,
+                             cudaStream_t stream);
+
+// Resident CTAs per SM of the backward kernel for a tile (sizes its grid).
+template <typename scalar_t>
+int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes);
+
+}  // namespace cuda
+}  // namespace attnres

@@ -1,0 +1,136 @@
+// Launch planning of the CUDA kernels (tile shape, tokens per CTA, backward
+// staging): plain host C++, shared by the CUDA host code and the CPU
+// emulation test of the kernels (tests/cuda_emulation), so both run the same
+// configurations.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "launch.h"
+
+namespace attnres {
+namespace cuda {
+
+// Each thread holds at most 32 elements of a row and a token has at most
+// 512 threads.
+constexpr int64_t kMaxD = kMaxElemsPerThread * kMaxThreads;  // 16384
+// CTA size aimed at when a token needs fewer threads.
+constexpr int kCtaThreads = 256;
+// Backward staging: a token's rows are kept in shared memory when they take
+// at most this much, and a CTA stages at most kStageBytesPerCta.
+constexpr int64_t kStageBytesPerToken = 32 * 1024;
+constexpr int64_t kStageBytesPerCta = 64 * 1024;
+constexpr int64_t kMaxGrid = 0x7fffffff;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// Threads per token: a power of two <= 32 (several tokens per warp) when a
+// warp's worth of threads can hold the row, else a multiple of 32 (<= 256
+// when possible, so a token keeps few warps busy on reductions).
+inline std::optional<TileConfig> choose_tile_for_vec(int64_t D, int vec, int natural,
+                                                     int max_elems) {
+  const int64_t packs = ceil_div(D, vec);
+  for (int vpt : kCandidateVpts) {
+    if (!tile_is_compiled(vec, vpt, natural) || vec * vpt > max_elems) continue;
+    const int64_t g = ceil_div(packs, vpt);
+    if (g <= 32) {
+      TileConfig t;
+      t.vec = vec;
+      t.vpt = vpt;
+      t.group = next_pow2(static_cast<int>(g));
+      t.tokens_per_cta = kCtaThreads / t.group;
+      return t;
+    }
+  }
+  for (int64_t limit : {int64_t(kCtaThreads), int64_t(kMaxThreads)}) {
+    for (int vpt : kCandidateVpts) {
+      if (!tile_is_compiled(vec, vpt, natural) || vec * vpt > max_elems) continue;
+      const int64_t g = ceil_div(packs, vpt);
+      if (g <= limit) {
+        TileConfig t;
+        t.vec = vec;
+        t.vpt = vpt;
+        t.group = static_cast<int>(ceil_div(g, 32) * 32);
+        t.tokens_per_cta = std::max(1, kCtaThreads / t.group);
+        return t;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+// The 16-byte path when the rows allow it, else the scalar one; tiles of at
+// most preferred_elems elements per thread first, up to 32 when D needs it.
+inline TileConfig choose_tile(int64_t D, bool vector_ok, int natural,
+                              int preferred_elems = kMaxElemsPerThread) {
+  for (int vec : {natural, 1}) {
+    if (vec == natural && !(vector_ok && D % natural == 0)) continue;
+    for (int max_elems : {preferred_elems, kMaxElemsPerThread}) {
+      if (auto t = choose_tile_for_vec(D, vec, natural, max_elems)) return *t;
+    }
+  }
+  TORCH_CHECK(false, "attnres: no CUDA tile for D = ", D);
+}
+
+// The backward keeps dh and the query-gradient partial in registers besides
+// the rows: it prefers at most 16 elements per thread.
+constexpr int kBackwardPreferredElems = 16;
+
+inline TileConfig choose_backward_tile(int64_t D, bool vector_ok, int natural) {
+  return choose_tile(D, vector_ok, natural, kBackwardPreferredElems);
+}
+
+// Whether rows starting at ptr, row_stride elements apart, can be read in
+// packs of vec elements.
+inline bool rows_aligned(const void* ptr, int64_t row_stride, int64_t T, int vec,
+                  size_t elem_size) {
+  const auto pack_bytes = static_cast<uintptr_t>(vec) * elem_size;
+  if (reinterpret_cast<uintptr_t>(ptr) % pack_bytes != 0) return false;
+  return T <= 1 || row_stride % vec == 0;
+}
+
+// Backward: whether a token's rows are staged in shared memory, how many
+// tokens a CTA then takes, and the dynamic shared memory of the CTA.
+struct BackwardPlan {
+  TileConfig tile;
+  bool stage = false;
+  size_t smem_bytes = 0;
+};
+
+inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
+                                  int natural, size_t acc_size,
+                                  int64_t smem_optin_bytes) {
+  BackwardPlan plan;
+  // Staging copies 16-byte packs with cp.async; sub-warp groups must fill
+  // whole warps.
+  if (tile.vec == natural) {
+    const int64_t per_token = N * tile.vpt * tile.group * 16;
+    const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
+    const int64_t budget = std::min<int64_t>(kStageBytesPerCta, smem_optin_bytes - 4096);
+    int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
+    tokens -= tokens % min_tokens;
+    if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
+      plan.stage = true;
+      tile.tokens_per_cta = static_cast<int>(tokens);
+      plan.smem_bytes = static_cast<size_t>(per_token * tokens);
+    }
+  }
+  // Several groups per CTA sum their query-gradient partials there.
+  if (tile.tokens_per_cta > 1) {
+    plan.smem_bytes = std::max(plan.smem_bytes, static_cast<size_t>(D) * acc_size);
+  }
+  plan.tile = tile;
+  return plan;
+}
+
+}  // namespace cuda
+}  // namespace attnres

@@ -1,0 +1,97 @@
+// Stand-in for <cuda_runtime.h> used only by the CPU emulation test of the
+// CUDA kernels (see emulate_kernels.cpp). Device code compiles as host C++:
+// each CUDA thread of a block is a std::thread, blocks run one after another,
+// `__shared__` variables are statics (shared by the threads of the running
+// block), __syncthreads is a block barrier and warp shuffles exchange values
+// through a buffer between two warp barriers. Slow, but it executes the real
+// kernel source with real thread/lane indices, reductions and barriers.
+#pragma once
+
+#include <barrier>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+using cudaStream_t = struct CUstream_st*;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __shared__ static
+#define __align__(n) alignas(n)
+
+namespace emu {
+
+struct BlockState {
+  std::unique_ptr<std::barrier<>> block_barrier;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+  std::vector<double> exchange;  // one slot per thread, for shuffles
+};
+
+inline BlockState* block_state = nullptr;
+inline std::vector<unsigned char> dynamic_smem_buffer;
+
+inline unsigned char* dynamic_smem() { return dynamic_smem_buffer.data(); }
+
+}  // namespace emu
+
+inline thread_local dim3 threadIdx;
+inline dim3 blockIdx, blockDim, gridDim;
+
+inline void __syncthreads() { emu::block_state->block_barrier->arrive_and_wait(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned /*mask: the kernels always use the full warp*/, T value, int lane_mask) {
+  emu::BlockState& b = *emu::block_state;
+  const unsigned tid = threadIdx.x;
+  b.exchange[tid] = static_cast<double>(value);  // exact for float and double
+  b.warp_barriers[tid / 32]->arrive_and_wait();
+  const T other = static_cast<T>(b.exchange[tid ^ static_cast<unsigned>(lane_mask)]);
+  b.warp_barriers[tid / 32]->arrive_and_wait();
+  return other;
+}
+
+namespace emu {
+
+// Runs kernel_body() as grid x threads CUDA threads, one block at a time.
+inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
+                   const std::function<void()>& kernel_body) {
+  if (threads % 32 != 0) throw std::runtime_error("emulated launch: block size must be whole warps");
+  dynamic_smem_buffer.assign(smem_bytes + 16, 0xCD);  // garbage, as on a GPU
+  gridDim.x = grid;
+  blockDim.x = threads;
+  for (unsigned b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    BlockState state;
+    state.block_barrier = std::make_unique<std::barrier<>>(threads);
+    for (unsigned w = 0; w < threads / 32; ++w) {
+      state.warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+    }
+    state.exchange.assign(threads, 0.0);
+    block_state = &state;
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([t, &kernel_body] {
+        threadIdx.x = t;
+        kernel_body();
+      });
+    }
+    for (auto& th : pool) th.join();
+    block_state = nullptr;
+  }
+}
+
+}  // namespace emu

@@ -1,0 +1,281 @@
+// Runs the CUDA kernels of csrc/cuda/kernels.cuh on the CPU (see
+// cuda_runtime.h here) with the launch plans of csrc/cuda/plan.h, and checks
+// every output against a float64 evaluation of the per-token formulas. It
+// exercises what the CPU kernels cannot: the thread/lane -> element map,
+// masking, group reductions, tokens per CTA, the grid-stride token loop,
+// backward staging in shared memory, the source table overflow and the
+// per-CTA query-gradient partials and their fixed-order sum. Built and run by
+// tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels_emulated.cuh"  // csrc/cuda/kernels.cuh, dynamic smem redirected
+#include "plan.h"
+
+using namespace attnres::cuda;
+
+namespace {
+
+template <typename T>
+const char* dtype_name() {
+  if constexpr (std::is_same_v<T, double>) return "float64";
+  if constexpr (std::is_same_v<T, float>) return "float32";
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return "bfloat16";
+  return "float16";
+}
+
+// The relative tolerances of tests/python/conftest.py.
+template <typename T>
+double tolerance() {
+  if constexpr (std::is_same_v<T, double>) return 1e-12;
+  if constexpr (std::is_same_v<T, float>) return 1e-5;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return 1e-2;
+  return 2e-3;
+}
+
+struct Case {
+  int N;
+  int64_t T;
+  int D;
+  int extra_stride;  // row stride = D + extra_stride
+  bool misaligned;   // sources start one element past an aligned address
+  int64_t grid_cap;  // fewer CTAs than token blocks: exercises the token loop
+};
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const double d = got[k] - want[k];
+    num += d * d;
+    den += want[k] * want[k];
+  }
+  if (std::isnan(num)) return INFINITY;
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+template <typename scalar_t>
+bool run_case(const Case& c, std::mt19937_64& rng) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int natural = natural_vec<scalar_t>();
+  const int N = c.N, D = c.D;
+  const int64_t T = c.T;
+  const int64_t stride = D + c.extra_stride;
+  const int offset = c.misaligned ? 1 : 0;
+  const double eps = 1e-6, scale = 0.8;
+  std::normal_distribution<double> normal;
+
+  // Inputs, rounded to scalar_t; the reference uses the rounded values.
+  std::vector<std::vector<scalar_t>> src(N, std::vector<scalar_t>(offset + T * stride + natural));
+  for (int i = 0; i < N; ++i) {
+    for (auto& x : src[i]) x = static_cast<scalar_t>(normal(rng) * (1 + i % 3));
+  }
+  std::vector<acc_t> u(D);
+  for (int d = 0; d < D; ++d) {
+    const double q = normal(rng) / std::sqrt(double(D));
+    const double g = 1 + 0.3 * normal(rng);
+    u[d] = static_cast<acc_t>(scale * q * g);
+  }
+  std::vector<scalar_t> dh(T * D);
+  for (auto& x : dh) x = static_cast<scalar_t>(normal(rng));
+
+  std::vector<std::vector<scalar_t>> grads(N, std::vector<scalar_t>(T * D));
+  std::vector<SourceEntry> entries(N);
+  bool vector_ok = true;
+  for (int i = 0; i < N; ++i) {
+    entries[i] = {src[i].data() + offset, stride, grads[i].data()};
+    vector_ok = vector_ok && rows_aligned(entries[i].src, stride, T, natural, sizeof(scalar_t));
+  }
+  SourceTable table{};
+  for (int i = 0; i < std::min(N, kTableCapacity); ++i) table.first[i] = entries[i];
+  std::vector<SourceEntry> overflow(entries.begin() + std::min(N, kTableCapacity), entries.end());
+
+  // Forward.
+  const TileConfig ftile = choose_tile(D, vector_ok, natural);
+  std::vector<scalar_t> out(T * D);
+  std::vector<acc_t> rstd(N * T), weights(N * T);
+  ForwardParams<scalar_t> fp{};
+  fp.table = table;
+  fp.overflow = overflow.data();
+  fp.u = u.data();
+  fp.out = out.data();
+  fp.rstd = rstd.data();
+  fp.weights = weights.data();
+  fp.T = T;
+  fp.token_blocks = ceil_div(T, ftile.tokens_per_cta);
+  fp.N = N;
+  fp.D = D;
+  fp.group = ftile.group;
+  fp.tokens_per_cta = ftile.tokens_per_cta;
+  fp.eps = static_cast<acc_t>(eps);
+  const auto fgrid = static_cast<unsigned>(std::min(fp.token_blocks, c.grid_cap));
+  with_tile<scalar_t>(ftile.vec, ftile.vpt, [&](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    emu::launch(fgrid, ftile.group * ftile.tokens_per_cta, 0,
+                [&] { depth_attention_fwd_kernel<scalar_t, VEC, VPT>(fp); });
+  });
+
+  // Backward, from the forward's statistics.
+  const bool vector_ok_bwd = vector_ok && rows_aligned(dh.data(), D, T, natural, sizeof(scalar_t));
+  const BackwardPlan plan = plan_backward(choose_backward_tile(D, vector_ok_bwd, natural), N, D, natural,
+                                          sizeof(acc_t), 227 * 1024);
+  const TileConfig& btile = plan.tile;
+  BackwardParams<scalar_t> bp{};
+  bp.table = table;
+  bp.overflow = overflow.data();
+  bp.u = u.data();
+  bp.grad_out = dh.data();
+  bp.grad_out_stride = D;
+  bp.rstd = rstd.data();
+  bp.weights = weights.data();
+  bp.T = T;
+  bp.token_blocks = ceil_div(T, btile.tokens_per_cta);
+  bp.N = N;
+  bp.D = D;
+  bp.group = btile.group;
+  bp.tokens_per_cta = btile.tokens_per_cta;
+  bp.stage = plan.stage;
+  const int64_t bgrid = std::min(bp.token_blocks, c.grid_cap);
+  std::vector<acc_t> partial(bgrid * D, static_cast<acc_t>(NAN));
+  bp.z_partial = partial.data();
+  with_tile<scalar_t>(btile.vec, btile.vpt, [&](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
+                plan.smem_bytes, [&] { depth_attention_bwd_kernel<scalar_t, VEC, VPT>(bp); });
+  });
+  std::vector<acc_t> z_acc(D, static_cast<acc_t>(NAN));
+  emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
+              [&] { sum_partial_rows_kernel<acc_t>(partial.data(), bgrid, D, z_acc.data()); });
+  std::vector<double> z(z_acc.begin(), z_acc.end());
+
+  // Float64 evaluation of DESIGN.md §1-§2, token by token.
+  std::vector<double> ref_out(T * D), ref_rstd(N * T), ref_w(N * T), ref_z(D, 0.0);
+  std::vector<std::vector<double>> ref_grads(N, std::vector<double>(T * D));
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> r(N), s(N), dp(N), a(N);
+    auto v = [&](int i, int d) { return double(src[i][offset + t * stride + d]); };
+    double m = -INFINITY;
+    for (int i = 0; i < N; ++i) {
+      double ss = 0, uv = 0, dv = 0;
+      for (int d = 0; d < D; ++d) {
+        ss += v(i, d) * v(i, d);
+        uv += double(u[d]) * v(i, d);
+        dv += double(dh[t * D + d]) * v(i, d);
+      }
+      r[i] = 1 / std::sqrt(ss / D + eps);
+      s[i] = r[i] * uv;
+      dp[i] = dv;
+      m = std::max(m, s[i]);
+    }
+    double l = 0;
+    for (int i = 0; i < N; ++i) l += std::exp(s[i] - m);
+    double sum_a_dp = 0;
+    for (int i = 0; i < N; ++i) {
+      a[i] = std::exp(s[i] - m) / l;
+      sum_a_dp += a[i] * dp[i];
+      ref_rstd[i * T + t] = r[i];
+      ref_w[i * T + t] = a[i];
+    }
+    for (int d = 0; d < D; ++d) {
+      double h = 0;
+      for (int i = 0; i < N; ++i) h += a[i] * v(i, d);
+      ref_out[t * D + d] = h;
+    }
+    for (int i = 0; i < N; ++i) {
+      const double alpha = a[i] * (dp[i] - sum_a_dp) * r[i];
+      const double beta = -alpha * r[i] * s[i] / D;
+      for (int d = 0; d < D; ++d) {
+        ref_grads[i][t * D + d] = a[i] * double(dh[t * D + d]) + alpha * double(u[d]) + beta * v(i, d);
+        ref_z[d] += alpha * v(i, d);
+      }
+    }
+  }
+
+  auto as_double = [](const auto& xs) {
+    std::vector<double> r(xs.size());
+    for (size_t k = 0; k < xs.size(); ++k) r[k] = static_cast<double>(xs[k]);
+    return r;
+  };
+  const double tol = tolerance<scalar_t>();
+  const double stat_tol = std::is_same_v<scalar_t, double> ? 1e-12 : 1e-5;
+  struct Check {
+    const char* what;
+    double err;
+    double tol;
+  };
+  std::vector<Check> checks = {
+      {"out", rel_err(as_double(out), ref_out), tol},
+      {"rstd", rel_err(as_double(rstd), ref_rstd), stat_tol},
+      {"weights", rel_err(as_double(weights), ref_w), stat_tol},
+      {"z", rel_err(z, ref_z), tol},
+  };
+  double worst_grad = 0;
+  for (int i = 0; i < N; ++i) worst_grad = std::max(worst_grad, rel_err(as_double(grads[i]), ref_grads[i]));
+  checks.push_back({"grads", worst_grad, tol});
+
+  bool ok = true;
+  std::string detail;
+  for (const auto& ch : checks) {
+    const bool pass = ch.err <= ch.tol;
+    ok = ok && pass;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, " %s=%.2g%s", ch.what, ch.err, pass ? "" : "(FAIL)");
+    detail += buf;
+  }
+  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
+              "bwd[vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s\n",
+              ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
+              c.misaligned ? " misaligned" : "", ftile.vec, ftile.vpt, ftile.group,
+              ftile.tokens_per_cta, fgrid, btile.vec, btile.vpt, btile.group,
+              btile.tokens_per_cta, long(bgrid), int(plan.stage), detail.c_str());
+  std::fflush(stdout);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // argv[1], when given, keeps only the cases of one dtype.
+  const std::string only = argc > 1 ? argv[1] : "";
+  std::mt19937_64 rng(12345);
+  int failures = 0;
+  auto run = [&](auto tag, std::vector<Case> cases) {
+    using scalar_t = decltype(tag);
+    if (!only.empty() && only != dtype_name<scalar_t>()) return;
+    for (const auto& c : cases) failures += run_case<scalar_t>(c, rng) ? 0 : 1;
+  };
+  //            N    T     D  +stride misaligned grid_cap
+  run(double{}, {{3, 5, 5, 0, false, 2},         // scalar path, sub-warp groups
+                 {3, 5, 8, 0, false, 2},         // 16-byte path, staged backward
+                 {2, 3, 70, 0, false, 1},
+                 {70, 3, 16, 0, false, 2},       // source table overflow
+                 {2, 2, 1030, 0, false, 2}});    // block mode
+  run(float{}, {{1, 4, 3, 0, false, 4},
+                {7, 9, 64, 0, false, 2},
+                {3, 70, 64, 0, false, 2},        // 5 token blocks on 2 CTAs
+                {2, 400, 64, 0, false, 20},      // 20 partial rows to sum
+                {5, 6, 1000, 0, false, 2},       // warp per token, 8 packs per lane
+                {3, 4, 2052, 0, false, 2},       // block mode, 2 tokens per CTA
+                {2, 3, 16384, 0, false, 2},      // the widest rows
+                {3, 4, 100, 1, false, 2},        // odd row stride: scalar path
+                {3, 4, 64, 64, false, 2},        // strided rows, 16-byte path
+                {3, 4, 64, 0, true, 2},          // misaligned start
+                {130, 3, 8, 0, false, 2}});      // two overflow chunks
+  run(c10::BFloat16{}, {{9, 20, 1000, 0, false, 2},  // staged, 3 tokens per CTA
+                        {9, 20, 1024, 0, false, 3},
+                        {65, 3, 1000, 0, false, 2}, // not staged
+                        {3, 5, 7186, 0, false, 2},  // scalar path, block mode
+                        {2, 4, 4096, 0, false, 3},
+                        {17, 7, 2048, 0, false, 2}});
+  run(c10::Half{}, {{17, 6, 64, 0, false, 1},       // 8 lanes per token, staged
+                    {4, 300, 24, 0, false, 2},
+                    {2, 3, 16384, 0, false, 2}});
+  std::printf("%d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,298 @@
+"""CUDA kernels of attnres: agreement with the float64 reference and the CPU
+kernels, gradcheck, opcheck, torch.compile, CUDA graphs, determinism, 64-bit
+indexing, strided sources and NaN isolation. Skips where no GPU is visible."""
+import pytest
+import torch
+
+import attnres
+from attnres import reference
+from conftest import CUDA_SKIP_REASON, REL_TOL, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_problem(N, lead, D, dtype, device="cuda", *, gain=True, seed=0):
+    """Sources of different scales, a query giving O(1) scores, a gain near 1."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    param_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    sources = [
+        (torch.randn(*lead, D, generator=g, dtype=torch.float64) * (1 + i % 3)).to(dtype).to(device)
+        for i in range(N)
+    ]
+    query = (torch.randn(D, generator=g, dtype=torch.float64) / D**0.5).to(param_dtype).to(device)
+    norm_weight = None
+    if gain:
+        norm_weight = (1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)).to(param_dtype).to(device)
+    grad_out = torch.randn(*lead, D, generator=g, dtype=torch.float64).to(dtype).to(device)
+    return sources, query, norm_weight, grad_out
+
+
+def reference_fwd_bwd(sources, query, norm_weight, grad_out, *, eps, scale):
+    """The eager reference in float64 on the same (rounded) inputs."""
+    srcs = [s.detach().double().requires_grad_(True) for s in sources]
+    q = query.detach().double().requires_grad_(True)
+    w = norm_weight.detach().double().requires_grad_(True) if norm_weight is not None else None
+    h, weights = reference.depth_attention(srcs, q, w, eps=eps, scale=scale, return_weights=True)
+    params = [q] + ([w] if w is not None else [])
+    grads = torch.autograd.grad(h, srcs + params, grad_out.double())
+    return h, weights, list(grads[: len(srcs)]), grads[len(srcs)], (grads[-1] if w is not None else None)
+
+
+def ours_fwd_bwd(sources, query, norm_weight, grad_out, *, eps, scale):
+    srcs = [s.detach().requires_grad_(True) for s in sources]
+    q = query.detach().requires_grad_(True)
+    w = norm_weight.detach().requires_grad_(True) if norm_weight is not None else None
+    h, weights = attnres.depth_attention(srcs, q, w, eps=eps, scale=scale, return_weights=True)
+    params = [q] + ([w] if w is not None else [])
+    grads = torch.autograd.grad(h, srcs + params, grad_out)
+    return h, weights, list(grads[: len(srcs)]), grads[len(srcs)], (grads[-1] if w is not None else None)
+
+
+def assert_close_rel(out, ref, dtype, what):
+    err = rel_err(out, ref)
+    assert err <= REL_TOL[dtype], f"{what}: relative error {err:.3g} > {REL_TOL[dtype]:.1g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [1, 3, 64, 1000, 7186, 16384])
+@pytest.mark.parametrize("N", [1, 2, 3, 7, 17, 33, 65])
+def test_matches_reference(N, D, dtype):
+    lead = (2, 3) if D <= 1000 else (3,)
+    sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype, seed=N * 7919 + D)
+    eps, scale = 1e-6, 0.8
+    h, w, gs, gq, gw = ours_fwd_bwd(sources, query, norm_weight, grad_out, eps=eps, scale=scale)
+    rh, rw, rgs, rgq, rgw = reference_fwd_bwd(sources, query, norm_weight, grad_out, eps=eps, scale=scale)
+    assert h.dtype == dtype and h.shape == sources[0].shape and h.is_contiguous()
+    assert w.shape == (N, *lead)
+    assert_close_rel(h, rh, dtype, "h")
+    # weights are float32 (float64 for float64 sources) computed from the same inputs
+    assert_close_rel(w, rw, torch.float64 if dtype == torch.float64 else torch.float32, "weights")
+    for i, (g, rg) in enumerate(zip(gs, rgs)):
+        assert g.dtype == dtype
+        assert_close_rel(g, rg, dtype, f"grad of sources[{i}]")
+    assert_close_rel(gq, rgq, dtype, "grad_query")
+    assert_close_rel(gw, rgw, dtype, "grad_norm_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N,lead,D", [(1, (4,), 8), (5, (2, 3), 3), (9, (33,), 1000), (70, (5,), 256), (130, (3,), 64)])
+def test_cpu_and_cuda_agree(N, lead, D, dtype):
+    sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype, device="cpu", seed=N + D)
+    eps, scale = 1e-5, 1.3
+    fwd_cpu = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, eps, scale)
+    cuda_args = lambda xs: [x.cuda() for x in xs]  # noqa: E731
+    fwd_gpu = torch.ops.attnres.depth_attention_fwd(
+        cuda_args(sources), query.cuda(), norm_weight.cuda(), eps, scale
+    )
+    for name, a, b in zip(("out", "rstd", "weights"), fwd_cpu, fwd_gpu):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close_rel(b, a, dtype, name)
+    bwd_cpu = torch.ops.attnres.depth_attention_bwd(
+        grad_out, sources, query, norm_weight, fwd_cpu[1], fwd_cpu[2], scale
+    )
+    bwd_gpu = torch.ops.attnres.depth_attention_bwd(
+        grad_out.cuda(), cuda_args(sources), query.cuda(), norm_weight.cuda(),
+        fwd_gpu[1], fwd_gpu[2], scale,
+    )
+    for i, (a, b) in enumerate(zip(bwd_cpu[0], bwd_gpu[0])):
+        assert_close_rel(b, a, dtype, f"grad of sources[{i}]")
+    assert_close_rel(bwd_gpu[1], bwd_cpu[1], dtype, "grad_query")
+    assert_close_rel(bwd_gpu[2], bwd_cpu[2], dtype, "grad_norm_weight")
+
+
+@pytest.mark.parametrize("gain", [True, False], ids=["gain", "no_gain"])
+@pytest.mark.parametrize("D", [5, 8])  # scalar path and 16-byte path
+def test_gradcheck_float64(gain, D):
+    sources, query, norm_weight, _ = make_problem(3, (2, 2), D, torch.float64, gain=gain, seed=D)
+    inputs = [s.requires_grad_(True) for s in sources] + [query.requires_grad_(True)]
+    if gain:
+        inputs.append(norm_weight.requires_grad_(True))
+
+    def fn(*xs):
+        w = xs[4] if gain else None
+        return attnres.depth_attention(list(xs[:3]), xs[3], w, eps=1e-6, scale=0.7)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gain", [True, False], ids=["gain", "no_gain"])
+def test_opcheck(dtype, gain):
+    sources, query, norm_weight, grad_out = make_problem(3, (2, 5), 64, dtype, gain=gain)
+    # The forward with leaves that require grad (autograd registration is
+    # checked); the backward op itself is called on plain tensors.
+    srcs = [s.detach().clone().requires_grad_(True) for s in sources]
+    q = query.detach().clone().requires_grad_(True)
+    w = norm_weight.detach().clone().requires_grad_(True) if gain else None
+    torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (srcs, q, w, 1e-6, 0.9))
+    _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
+    torch.library.opcheck(
+        torch.ops.attnres.depth_attention_bwd.default,
+        (grad_out, sources, query, norm_weight, rstd, weights, 0.9),
+    )
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    sources, query, norm_weight, grad_out = make_problem(4, (3, 7), 96, torch.float32)
+
+    def fn(a, b, c, d, q, w):
+        return attnres.depth_attention([a, b, c, d], q, w, eps=1e-6, scale=1.1)
+
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def run(f):
+        xs = [s.detach().clone().requires_grad_(True) for s in sources]
+        q = query.detach().clone().requires_grad_(True)
+        w = norm_weight.detach().clone().requires_grad_(True)
+        h = f(*xs, q, w)
+        h.backward(grad_out)
+        return [h] + [x.grad for x in xs] + [q.grad, w.grad]
+
+    for got, want in zip(run(compiled), run(fn)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_graph_capture_and_replay():
+    # 70 sources: more than the kernel-parameter table holds, so the
+    # device-side table fill is captured too.
+    N, lead, D, dtype, eps, scale = 70, (16,), 1000, torch.bfloat16, 1e-6, 0.9
+    static_src, static_q, static_w, static_dh = make_problem(N, lead, D, dtype, seed=1)
+
+    def step():
+        out, rstd, weights = torch.ops.attnres.depth_attention_fwd(static_src, static_q, static_w, eps, scale)
+        grads, gq, gw = torch.ops.attnres.depth_attention_bwd(
+            static_dh, static_src, static_q, static_w, rstd, weights, scale
+        )
+        return [out, rstd, weights, *grads, gq, gw]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for seed in (2, 3):
+        src, q, w, dh = make_problem(N, lead, D, dtype, seed=seed)
+        for dst, new in zip(static_src + [static_q, static_w, static_dh], src + [q, w, dh]):
+            dst.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for i, (a, b) in enumerate(zip(static_out, eager)):
+            assert torch.equal(a, b), f"replayed output {i} differs from an eager run"
+
+
+def test_more_than_2_31_elements():
+    # Two sources of [2^21 + 3, 1024] bf16: each holds more than 2^31 elements,
+    # so row offsets need 64 bits. Tokens are independent: check the first
+    # and last rows against the reference on those rows only.
+    T, D, N = 2**21 + 3, 1024, 2
+    elems = T * D
+    assert elems > 2**31
+    bytes_needed = elems * 2 * (N + 1 + 1 + N) + (1 << 30)  # sources, dh, out, grads, slack
+    free, _total = torch.cuda.mem_get_info()
+    if free < bytes_needed:
+        pytest.skip(f"needs {bytes_needed / 2**30:.1f} GiB of free device memory, {free / 2**30:.1f} GiB free")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sources = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(N)]
+    query = torch.randn(D, device="cuda", generator=gen) / D**0.5
+    norm_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
+    grad_out = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    grads, _, _ = torch.ops.attnres.depth_attention_bwd(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+    for rows in (slice(0, 4), slice(T - 4, T)):
+        sub = [s[rows] for s in sources]
+        rh, _, rgs, _, _ = reference_fwd_bwd(sub, query, norm_weight, grad_out[rows], eps=1e-6, scale=1.0)
+        assert_close_rel(out[rows], rh, torch.bfloat16, f"h rows {rows}")
+        for i in range(N):
+            assert_close_rel(grads[i][rows], rgs[i], torch.bfloat16, f"grad of sources[{i}] rows {rows}")
+
+
+@pytest.mark.parametrize("N,lead,D,dtype", [
+    (9, (4096,), 1000, torch.bfloat16),   # warp per token, 16-byte path
+    (3, (2048,), 64, torch.float32),      # several tokens per warp
+    (65, (512,), 7186, torch.bfloat16),   # block per token, scalar path, no staging
+    (5, (1000,), 4096, torch.float16),    # block per token, 16-byte path
+])
+def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
+    sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
+    _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    runs = [
+        torch.ops.attnres.depth_attention_bwd(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+        for _ in range(2)
+    ]
+    (g1, q1, w1), (g2, q2, w2) = runs
+    assert torch.equal(q1, q2) and torch.equal(w1, w2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_sources(dtype, aligned):
+    lead, D = (2, 12), 256
+    gen = torch.Generator(device="cpu").manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).cuda()
+
+    if aligned:
+        # Row strides that keep 16-byte alignment: read in place, packed loads.
+        sources = [rand(2, 12, 2 * D)[..., D:], rand(2, 12, 4 * D)[..., :D], rand(2, 12, D)]
+    else:
+        # Rows 3D+1 apart (used in place, scalar loads), a misaligned start,
+        # and layouts whose leading dims don't collapse (copied once).
+        wide = rand(2, 12, 3 * D + 1)
+        sources = [
+            wide[..., :D],
+            wide[..., D + 1 : 2 * D + 1],
+            rand(D, 2, 12).permute(1, 2, 0),
+            rand(4, 12, D)[::2],
+        ]
+    query = (torch.randn(D, generator=gen) / D**0.5).cuda()
+    norm_weight = (1 + 0.2 * torch.randn(D, generator=gen)).cuda()
+    grad_out = rand(*lead, D)
+    h, w, gs, gq, gw = ours_fwd_bwd(sources, query, norm_weight, grad_out, eps=1e-6, scale=1.0)
+    rh, rw, rgs, rgq, rgw = reference_fwd_bwd(sources, query, norm_weight, grad_out, eps=1e-6, scale=1.0)
+    assert_close_rel(h, rh, dtype, "h")
+    for i, (g, rg) in enumerate(zip(gs, rgs)):
+        assert g.is_contiguous()
+        assert_close_rel(g, rg, dtype, f"grad of sources[{i}]")
+    assert_close_rel(gq, rgq, dtype, "grad_query")
+    assert_close_rel(gw, rgw, dtype, "grad_norm_weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nan_poisons_only_its_token(dtype):
+    sources, query, norm_weight, grad_out = make_problem(4, (8,), 1000, dtype)
+    bad = 5
+    sources[2][bad, 17] = float("nan")
+    h, w, gs, _, _ = ours_fwd_bwd(sources, query, norm_weight, grad_out, eps=1e-6, scale=1.0)
+    good = [t for t in range(8) if t != bad]
+    assert torch.isnan(h[bad]).all()
+    assert torch.isfinite(h[good]).all() and torch.isfinite(w[:, good]).all()
+    assert all(torch.isfinite(g[good]).all() for g in gs)
+    rh = reference.depth_attention([s[good] for s in sources], query, norm_weight)
+    assert_close_rel(h[good], rh, dtype, "h of the clean tokens")
+
+
+def test_width_above_limit_is_rejected():
+    sources = [torch.randn(2, 16385, device="cuda") for _ in range(2)]
+    query = torch.zeros(16385, device="cuda")
+    with pytest.raises(ValueError, match="D <= 16384"):
+        torch.ops.attnres.depth_attention_fwd(sources, query, None, 1e-6, 1.0)
+
+
+def test_empty_token_dimension():
+    sources = [torch.randn(0, 3, 32, device="cuda") for _ in range(3)]
+    query = torch.randn(32, device="cuda", requires_grad=True)
+    xs = [s.requires_grad_(True) for s in sources]
+    h = attnres.depth_attention(xs, query)
+    assert h.shape == (0, 3, 32)
+    h.sum().backward()
+    assert torch.equal(query.grad, torch.zeros_like(query))
