@@ -75,6 +75,11 @@ acc_t hsum(const Vectorized<acc_t>& v) {
 // Independent accumulators per reduction: one FMA chain would make the sweep
 // latency-bound (4 cycles a step) instead of load-bound.
 constexpr int kChains = 4;
+// Software prefetch distance of the row sweeps that read from memory: the
+// hardware prefetcher ramps up too slowly on N interleaved streams (fp32,
+// N=16, D=1024 forward: 22.7 ms without, 16.7 ms at 2 KiB, 18.2 ms at 1 KiB,
+// 20 ms at 4 KiB on this 2-core machine).
+constexpr int64_t kPrefetchBytes = 2048;
 
 template <typename acc_t>
 acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {
@@ -93,6 +98,7 @@ void row_sumsq_dot(const scalar_t* v, const acc_t* x, int64_t D, acc_t& sumsq,
   for (; j + L::kStep <= D; j += L::kStep) {
     // kParts (1 or 2) vectors a step; alternate chains between steps.
     const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
+    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
     AVec vv[L::kParts];
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
@@ -122,6 +128,7 @@ void row_dot2(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
     const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
+    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
     AVec vv[L::kParts];
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
