@@ -43,7 +43,7 @@ $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(CSRC)
 	@touch $@
 
 py-test: build
-	$(VPY) -m pytest -q -p no:cacheprovider tests/python
+	ATTNRES_SLOW_TESTS=1 $(VPY) -m pytest -q -p no:cacheprovider tests/python
 
 $(BUILD_CPP)/.stamp: $(VENV)/.stamp-deps $(CMAKE_SRC) | sysdeps
 	cmake -S . -B $(BUILD_CPP) -DCMAKE_BUILD_TYPE=Release \

@@ -158,4 +158,43 @@ at::Tensor effective_query(const at::Tensor& query,
   return u.contiguous();
 }
 
+ForwardOutputs allocate_forward_outputs(at::TensorList sources,
+                                        const DepthProblem& p) {
+  const at::Tensor& src0 = sources[0];
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  std::vector<int64_t> stat_shape{p.N};
+  stat_shape.insert(stat_shape.end(), p.lead_shape.begin(), p.lead_shape.end());
+  ForwardOutputs o;
+  o.out = at::empty(src0.sizes(),
+                    src0.options().memory_format(at::MemoryFormat::Contiguous));
+  o.rstd = at::empty(stat_shape, src0.options().dtype(acc));
+  o.weights = at::empty(stat_shape, src0.options().dtype(acc));
+  return o;
+}
+
+std::vector<at::Tensor> allocate_source_grads(at::TensorList sources) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    grads.push_back(at::empty(
+        sources[0].sizes(),
+        sources[0].options().memory_format(at::MemoryFormat::Contiguous)));
+  }
+  return grads;
+}
+
+std::pair<at::Tensor, at::Tensor> parameter_grads(
+    const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale) {
+  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
+  const at::Tensor zs = z.mul(scale);
+  at::Tensor grad_query =
+      (has_gain ? zs.mul(norm_weight->to(z.scalar_type())) : zs)
+          .to(query.scalar_type());
+  at::Tensor grad_gain =
+      zs.mul(query.to(z.scalar_type()))
+          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  return {grad_query, grad_gain};
+}
+
 }  // namespace attnres

@@ -86,14 +86,16 @@ acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {
   return hsum((c[0] + c[1]) + (c[2] + c[3]));
 }
 
-// sum(v*v) and sum(x*v) over one row, in one pass.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_sumsq_dot(const scalar_t* v, const acc_t* x, int64_t D, acc_t& sumsq,
-                   acc_t& dot) {
+// Two dot products of one row in one sweep: <x, v> (or, with kSquares, the
+// sum of squares <v, v>; x is then unused) and <y, v>.
+template <bool kSquares, typename scalar_t,
+          typename acc_t = at::opmath_type<scalar_t>>
+void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
+                  acc_t& dot_x, acc_t& dot_y) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  AVec ss[kChains], dx[kChains];
-  for (int c = 0; c < kChains; ++c) ss[c] = dx[c] = AVec(acc_t(0));
+  AVec dx[kChains], dy[kChains];
+  for (int c = 0; c < kChains; ++c) dx[c] = dy[c] = AVec(acc_t(0));
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
     // kParts (1 or 2) vectors a step; alternate chains between steps.
@@ -102,45 +104,16 @@ void row_sumsq_dot(const scalar_t* v, const acc_t* x, int64_t D, acc_t& sumsq,
     AVec vv[L::kParts];
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
-      ss[base + k] = at::vec::fmadd(vv[k], vv[k], ss[base + k]);
-      dx[base + k] = at::vec::fmadd(AVec::loadu(x + j + k * AVec::size()),
-                                    vv[k], dx[base + k]);
-    }
-  }
-  acc_t s = hsum_chains(ss), d = hsum_chains(dx);
-  for (; j < D; ++j) {
-    const acc_t vj = static_cast<acc_t>(v[j]);
-    s += vj * vj;
-    d += x[j] * vj;
-  }
-  sumsq = s;
-  dot = d;
-}
-
-// sum(x*v) and sum(y*v) over one row, in one pass.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_dot2(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
-              acc_t& dot_x, acc_t& dot_y) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  AVec dx[kChains], dy[kChains];
-  for (int c = 0; c < kChains; ++c) dx[c] = dy[c] = AVec(acc_t(0));
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
-    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
-    AVec vv[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
       const int64_t o = j + k * AVec::size();
-      dx[base + k] = at::vec::fmadd(AVec::loadu(x + o), vv[k], dx[base + k]);
+      const AVec xv = kSquares ? vv[k] : AVec::loadu(x + o);
+      dx[base + k] = at::vec::fmadd(xv, vv[k], dx[base + k]);
       dy[base + k] = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy[base + k]);
     }
   }
   acc_t a = hsum_chains(dx), b = hsum_chains(dy);
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
-    a += x[j] * vj;
+    a += (kSquares ? vj : x[j]) * vj;
     b += y[j] * vj;
   }
   dot_x = a;
@@ -289,7 +262,7 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
           const scalar_t* v = src.row(i, t);
           acc_t* acc_k = acc.data() + k * D;
           acc_t sumsq, dot_uv;
-          row_sumsq_dot(v, u, D, sumsq, dot_uv);
+          row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv);
           const acc_t r = math::rstd_from_sumsq(sumsq, D, eps);
           const acc_t sc = math::score(r, dot_uv);
           rstd_p[i * T + t] = r;
@@ -357,7 +330,8 @@ void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
           for (int64_t k = 0; k < n_tok; ++k) {
             const int64_t t = t0 + k;
             acc_t dot_dh, dot_u;
-            row_dot2(src.row(i, t), dh.data() + k * D, u, D, dot_dh, dot_u);
+            row_two_dots<false>(src.row(i, t), dh.data() + k * D, u, D,
+                                dot_dh, dot_u);
             dp[i * tile + k] = dot_dh;
             sc[i * tile + k] = math::score(rstd_p[i * T + t], dot_u);
             sum_a_dp[k] += w_p[i * T + t] * dot_dh;
@@ -397,12 +371,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cpu(
   const auto dtype = sources[0].scalar_type();
   const auto acc = acc_dtype_for(dtype);
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  at::Tensor out = at::empty(sources[0].sizes(), sources[0].options().dtype(dtype)
-                                                     .memory_format(at::MemoryFormat::Contiguous));
-  std::vector<int64_t> stat_shape{p.N};
-  stat_shape.insert(stat_shape.end(), p.lead_shape.begin(), p.lead_shape.end());
-  at::Tensor rstd = at::empty(stat_shape, sources[0].options().dtype(acc));
-  at::Tensor weights = at::empty(stat_shape, sources[0].options().dtype(acc));
+  // Named references, not structured bindings: C++17 lambdas cannot capture those.
+  ForwardOutputs outputs = allocate_forward_outputs(sources, p);
+  at::Tensor& out = outputs.out;
+  at::Tensor& rstd = outputs.rstd;
+  at::Tensor& weights = outputs.weights;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, dtype, "depth_attention_fwd_cpu", [&] {
         SourceRows<scalar_t> src(sources);
@@ -423,11 +396,7 @@ depth_attention_bwd_cpu(const at::Tensor& grad_out, at::TensorList sources,
   const auto dtype = sources[0].scalar_type();
   const auto acc = acc_dtype_for(dtype);
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  std::vector<at::Tensor> grads;
-  grads.reserve(p.N);
-  for (int64_t i = 0; i < p.N; ++i) {
-    grads.push_back(at::empty(sources[0].sizes(), sources[0].options()));
-  }
+  std::vector<at::Tensor> grads = allocate_source_grads(sources);
   at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
   const at::Tensor rstd_c = rstd.contiguous();
   const at::Tensor weights_c = weights.contiguous();
@@ -437,14 +406,7 @@ depth_attention_bwd_cpu(const at::Tensor& grad_out, at::TensorList sources,
         backward_impl<scalar_t>(grad_out, src, u, rstd_c, weights_c, grads, z,
                                 p);
       });
-  // dquery = scale * gain * Z, dgain = scale * query * Z (DESIGN.md §2).
-  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
-  at::Tensor zs = z.mul(scale);
-  at::Tensor grad_query =
-      (has_gain ? zs.mul(norm_weight->to(acc)) : zs).to(query.scalar_type());
-  at::Tensor grad_gain =
-      zs.mul(query.to(acc))
-          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  auto [grad_query, grad_gain] = parameter_grads(z, query, norm_weight, scale);
   return {grads, grad_query, grad_gain};
 }
 

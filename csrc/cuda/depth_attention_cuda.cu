@@ -96,12 +96,6 @@ struct DeviceSources {
   }
 };
 
-std::vector<int64_t> stat_shape(const DepthProblem& p) {
-  std::vector<int64_t> shape{p.N};
-  shape.insert(shape.end(), p.lead_shape.begin(), p.lead_shape.end());
-  return shape;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cuda(
     at::TensorList sources, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
@@ -111,10 +105,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cuda(
   const auto dtype = sources[0].scalar_type();
   const auto acc = acc_dtype_for(dtype);
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  at::Tensor out = at::empty(sources[0].sizes(),
-                             sources[0].options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor rstd = at::empty(stat_shape(p), sources[0].options().dtype(acc));
-  at::Tensor weights = at::empty(stat_shape(p), sources[0].options().dtype(acc));
+  // Named references, not structured bindings: C++17 lambdas cannot capture those.
+  ForwardOutputs outputs = allocate_forward_outputs(sources, p);
+  at::Tensor& out = outputs.out;
+  at::Tensor& rstd = outputs.rstd;
+  at::Tensor& weights = outputs.weights;
   if (p.T == 0) return {out, rstd, weights};
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -161,12 +156,7 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
   const auto dtype = sources[0].scalar_type();
   const auto acc = acc_dtype_for(dtype);
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  std::vector<at::Tensor> grads;
-  grads.reserve(p.N);
-  for (int64_t i = 0; i < p.N; ++i) {
-    grads.push_back(at::empty(sources[0].sizes(),
-                              sources[0].options().memory_format(at::MemoryFormat::Contiguous)));
-  }
+  std::vector<at::Tensor> grads = allocate_source_grads(sources);
   // Z = sum over tokens and sources of alpha_i v_i (see depth_math.h).
   at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
   if (p.T == 0) z.zero_();
@@ -232,14 +222,7 @@ depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
         });
   }
 
-  // dquery = scale * gain * Z, dgain = scale * query * Z (DESIGN.md §2).
-  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
-  at::Tensor zs = z.mul(scale);
-  at::Tensor grad_query =
-      (has_gain ? zs.mul(norm_weight->to(acc)) : zs).to(query.scalar_type());
-  at::Tensor grad_gain =
-      zs.mul(query.to(acc))
-          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  auto [grad_query, grad_gain] = parameter_grads(z, query, norm_weight, scale);
   return {grads, grad_query, grad_gain};
 }
 

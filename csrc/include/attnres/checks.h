@@ -48,4 +48,22 @@ at::Tensor effective_query(const at::Tensor& query,
 // Accumulation dtype for a source dtype.
 at::ScalarType acc_dtype_for(at::ScalarType source_dtype);
 
+// The forward's outputs, allocated alike by every backend: out (contiguous,
+// the sources' shape and dtype), rstd and weights ([N, ...], acc dtype).
+struct ForwardOutputs {
+  at::Tensor out, rstd, weights;
+};
+ForwardOutputs allocate_forward_outputs(at::TensorList sources,
+                                        const DepthProblem& p);
+
+// One contiguous gradient per source.
+std::vector<at::Tensor> allocate_source_grads(at::TensorList sources);
+
+// dquery = scale * gain * Z and dgain = scale * query * Z (DESIGN.md §2),
+// from Z = sum over tokens and sources of alpha_i v_i, in the parameters'
+// dtypes (the gain gradient of an absent gain has the query's dtype).
+std::pair<at::Tensor, at::Tensor> parameter_grads(
+    const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale);
+
 }  // namespace attnres
