@@ -39,7 +39,7 @@ $(VENV)/.stamp-deps: requirements-dev.txt
 
 $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(CSRC)
 	$(VPY) -m pip install -q --no-build-isolation -e .
-	$(VPY) -c "import attnres, torch; print('attnres built against torch', torch.__version__)"
+	$(VPY) -m attnres info  # what the build decided: CPU and CUDA kernels compiled in
 	@touch $@
 
 py-test: build

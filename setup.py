@@ -41,9 +41,15 @@ def extensions():
         *sorted(glob.glob("csrc/cpu/*.cpp")),
     ]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    with_cuda = cpp_extension.CUDA_HOME is not None and bool(cuda_sources)
     if os.environ.get("ATTNRES_NO_CUDA") == "1":
-        with_cuda = False
+        why_not = "ATTNRES_NO_CUDA=1"
+    elif cpp_extension.CUDA_HOME is None:
+        why_not = "no nvcc/CUDA_HOME found"
+    elif not cuda_sources:
+        why_not = "no csrc/cuda/*.cu sources"
+    else:
+        why_not = None
+    with_cuda = why_not is None
     # -fopenmp: at::parallel_for is an inline OpenMP loop in ATen's headers;
     # without the flag it silently runs on one thread.
     cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp", *arch_flags]
@@ -65,7 +71,7 @@ def extensions():
                 extra_link_args=link,
             )
         ]
-    print(f"attnres build: CUDA kernels OFF (no nvcc/CUDA_HOME found), CPU vector code {arch}")
+    print(f"attnres build: CUDA kernels OFF ({why_not}), CPU vector code {arch}")
     return [
         cpp_extension.CppExtension(
             "attnres._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
