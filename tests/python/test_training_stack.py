@@ -192,6 +192,9 @@ def _distributed_worker(rank, world, port, mode, out_path):
             results[residual] = grads
         if rank == 0:
             torch.save(results, out_path)
+        # Both ranks finish every collective before either tears gloo down:
+        # a rank that exits first can abort the other in its gloo threads.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
