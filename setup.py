@@ -1,83 +1,70 @@
-"""Builds the attnres extension (torch ops in attnres._C).
+"""Builds the attnres Python package: the extension attnres._C and the op
+library libattnres beside it, both built by CMake (CMakeLists.txt is the one
+build description: CUDA on/off, GPU archs and CPU vector code are decided
+there; its status lines say what it chose).
 
-CUDA kernels are compiled whenever nvcc is found (CUDA_HOME), whether or not
-a GPU is visible; TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0". Without nvcc the
-CPU-only extension is built. ATTNRES_CPU_ARCH=avx2|default picks the CPU
-vector code (default: avx2 when this machine's CPU has AVX2 and FMA).
+Environment: ATTNRES_NO_CUDA=1 (CPU-only, no CUDA toolkit needed),
+ATTNRES_CPU_ARCH=avx2|default, TORCH_CUDA_ARCH_LIST, MAX_JOBS (parallel
+compile jobs), ATTNRES_BUILD_DIR (CMake build directory to use, e.g. to share
+it with the C++ test build), ATTNRES_BUILD_TESTS=1 (also build the GoogleTest
+suite there).
 """
-import glob
 import os
+import shutil
+import subprocess
+import sys
 
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LIBRARY = "libattnres.so"  # the op library the extension module loads
 
 
-def cpu_has_avx2():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import torch  # the LibTorch the extension is built against
 
-
-def cpu_arch_flags():
-    arch = os.environ.get("ATTNRES_CPU_ARCH") or ("avx2" if cpu_has_avx2() else "default")
-    if arch == "avx2":
-        return arch, ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
-    if arch == "default":
-        return arch, ["-DCPU_CAPABILITY=DEFAULT"]
-    raise SystemExit(f"ATTNRES_CPU_ARCH must be 'avx2' or 'default', got {arch!r}")
-
-
-def extensions():
-    arch, arch_flags = cpu_arch_flags()
-    sources = [
-        "csrc/ops.cpp",
-        "csrc/checks.cpp",
-        "csrc/python_module.cpp",
-        *sorted(glob.glob("csrc/cpu/*.cpp")),
-    ]
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    if os.environ.get("ATTNRES_NO_CUDA") == "1":
-        why_not = "ATTNRES_NO_CUDA=1"
-    elif cpp_extension.CUDA_HOME is None:
-        why_not = "no nvcc/CUDA_HOME found"
-    elif not cuda_sources:
-        why_not = "no csrc/cuda/*.cu sources"
-    else:
-        why_not = None
-    with_cuda = why_not is None
-    # -fopenmp: at::parallel_for is an inline OpenMP loop in ATen's headers;
-    # without the flag it silently runs on one thread.
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp", *arch_flags]
-    link = ["-fopenmp"]
-    include_dirs = [os.path.join(HERE, "csrc", "include")]
-    if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        nvcc = ["-O3", "-std=c++17", "-lineinfo", "-DATTNRES_WITH_CUDA"]
-        print(
-            f"attnres build: CUDA kernels ON (nvcc at {cpp_extension.CUDA_HOME}, "
-            f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}), CPU vector code {arch}"
-        )
-        return [
-            cpp_extension.CUDAExtension(
-                "attnres._C",
-                sources + cuda_sources,
-                include_dirs=include_dirs,
-                extra_compile_args={"cxx": cxx + ["-DATTNRES_WITH_CUDA"], "nvcc": nvcc},
-                extra_link_args=link,
-            )
+        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
+        build_dir = os.path.abspath(os.environ.get("ATTNRES_BUILD_DIR") or self.build_temp)
+        os.makedirs(build_dir, exist_ok=True)
+        on_off = lambda flag: "ON" if flag else "OFF"  # noqa: E731
+        configure = [
+            "cmake", "-S", HERE, "-B", build_dir,
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            "-DATTNRES_BUILD_PYTHON=ON",
+            f"-DATTNRES_BUILD_TESTS={on_off(os.environ.get('ATTNRES_BUILD_TESTS') == '1')}",
+            f"-DATTNRES_NO_CUDA={on_off(os.environ.get('ATTNRES_NO_CUDA') == '1')}",
         ]
-    print(f"attnres build: CUDA kernels OFF ({why_not}), CPU vector code {arch}")
-    return [
-        cpp_extension.CppExtension(
-            "attnres._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
-            extra_link_args=link,
-        )
-    ]
+        ninja = _ninja()
+        if ninja and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+        subprocess.run(configure, check=True)
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        subprocess.run(["cmake", "--build", build_dir, "-j", jobs], check=True)
+        # _C finds libattnres beside it ($ORIGIN), in the build tree and here.
+        os.makedirs(out_dir, exist_ok=True)
+        module = os.path.basename(self.get_ext_filename(ext.name))
+        for name in (module, LIBRARY):
+            shutil.copy2(os.path.join(build_dir, name), os.path.join(out_dir, name))
+
+    def copy_extensions_to_source(self):
+        # Editable installs copy the extension module into the source tree;
+        # the op library it loads (beside it, via $ORIGIN) must come along.
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            self.copy_file(os.path.join(os.path.dirname(regular_file), LIBRARY),
+                           os.path.join(os.path.dirname(inplace_file), LIBRARY))
+
+
+def _ninja():
+    """ninja from this Python's environment (pip's ninja package) or PATH."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return shutil.which("ninja", path=path)
 
 
 setup(
@@ -86,8 +73,8 @@ setup(
     description="Fused Attention Residuals (depth attention) torch ops for CPU and CUDA",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    ext_modules=extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    ext_modules=[Extension("attnres._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch"],
 )

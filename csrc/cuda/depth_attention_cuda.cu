@@ -1,9 +1,9 @@
-// CUDA implementation of attnres::depth_attention_{fwd,bwd}: host side.
+// CUDA kernels of attnres::depth_attention_{fwd,bwd}: the device side of the
+// host sequence in attnres/op_sequence.h (checks, u, output allocation and
+// the parameter gradients are shared with the CPU).
 //
-// Same checks, outputs and math as the CPU kernels (csrc/cpu/). Everything
-// is launched on the current stream under a device guard, with no host
-// synchronization and no host->device copies, so the ops can be captured in
-// a CUDA graph:
+// Everything is launched on the current stream with no host synchronization
+// and no host->device copies, so the ops can be captured in a CUDA graph:
 //  - source pointers travel in the kernel parameters (kTableCapacity of
 //    them); the rest are written to a device table by small kernels whose
 //    parameters carry them (no pageable memcpy);
@@ -15,16 +15,15 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
-#include <tuple>
 #include <vector>
 
-#include "attnres/checks.h"
+#include "attnres/op_sequence.h"
+#include "attnres/row_layout.h"
+#include "kernel_params.h"
 #include "launch.h"
 #include "plan.h"
 
@@ -44,194 +43,104 @@ __global__ void fill_overflow_table(const __grid_constant__ OverflowChunk chunk,
 
 namespace {
 
-void check_width_supported(int64_t D) {
-  TORCH_CHECK_VALUE(D <= kMaxD,
-                    "sources have D = ", D,
+void check_width_supported(const DepthProblem& p) {
+  TORCH_CHECK_VALUE(p.D <= kMaxD, "sources have D = ", p.D,
                     " but the CUDA kernels of attnres support D <= ", kMaxD);
 }
 
-// The sources as a pointer table for the kernels (no stacking: strided rows
-// are used in place; layouts that don't collapse to rows are copied once).
+// The sources as the kernels' pointer table (no stacking: strided rows are
+// used in place; layouts that don't collapse to rows are copied once), with
+// the entries past kTableCapacity written to device memory.
 struct DeviceSources {
   std::vector<at::Tensor> keep;
-  SourceTable table{};
+  SourceTableLayout layout;
   at::Tensor overflow;  // SourceEntry[N - kTableCapacity] on the device
-  bool vector_aligned = true;
 
-  DeviceSources(at::TensorList sources, const std::vector<at::Tensor>* grads,
-                int64_t T, int natural, size_t elem_size, cudaStream_t stream) {
-    const int64_t N = static_cast<int64_t>(sources.size());
-    std::vector<SourceEntry> entries(N);
-    keep.reserve(N);
-    for (int64_t i = 0; i < N; ++i) {
+  DeviceSources(at::TensorList sources, const std::vector<at::Tensor>* grads, int64_t T,
+                int natural, size_t elem_size, cudaStream_t stream) {
+    std::vector<SourceEntry> entries(sources.size());
+    keep.reserve(sources.size());
+    for (size_t i = 0; i < sources.size(); ++i) {
       Rows r = as_rows(sources[i]);
-      entries[i].src = r.tensor.const_data_ptr();
-      entries[i].row_stride = r.row_stride;
-      entries[i].grad = grads ? (*grads)[i].data_ptr() : nullptr;
-      vector_aligned = vector_aligned && rows_aligned(entries[i].src, r.row_stride,
-                                                      T, natural, elem_size);
+      entries[i] = {r.tensor.const_data_ptr(), r.row_stride,
+                    grads ? (*grads)[i].data_ptr() : nullptr};
       keep.push_back(std::move(r.tensor));
     }
-    const int64_t in_table = std::min<int64_t>(N, kTableCapacity);
-    for (int64_t i = 0; i < in_table; ++i) table.first[i] = entries[i];
-    if (N <= kTableCapacity) return;
-    overflow = at::empty(
-        {(N - kTableCapacity) * static_cast<int64_t>(sizeof(SourceEntry))},
-        sources[0].options().dtype(at::kByte));
+    layout = layout_sources(entries, T, natural, elem_size);
+    const int64_t n_overflow = static_cast<int64_t>(layout.overflow.size());
+    if (n_overflow == 0) return;
+    overflow = at::empty({n_overflow * static_cast<int64_t>(sizeof(SourceEntry))},
+                         sources[0].options().dtype(at::kByte));
     auto* dst = reinterpret_cast<SourceEntry*>(overflow.data_ptr());
-    for (int64_t first = kTableCapacity; first < N; first += kTableCapacity) {
+    for (int64_t first = 0; first < n_overflow; first += kTableCapacity) {
       OverflowChunk chunk{};
-      chunk.count = static_cast<int>(std::min<int64_t>(kTableCapacity, N - first));
-      for (int j = 0; j < chunk.count; ++j) chunk.entries[j] = entries[first + j];
-      fill_overflow_table<<<1, kTableCapacity, 0, stream>>>(
-          chunk, dst + (first - kTableCapacity));
+      chunk.count = static_cast<int>(std::min<int64_t>(kTableCapacity, n_overflow - first));
+      std::copy_n(layout.overflow.begin() + first, chunk.count, chunk.entries);
+      fill_overflow_table<<<1, kTableCapacity, 0, stream>>>(chunk, dst + first);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
 
-  const SourceEntry* overflow_entries() const {
-    return overflow.defined()
-               ? reinterpret_cast<const SourceEntry*>(overflow.const_data_ptr())
-               : nullptr;
+  const SourceEntry* overflow_on_device() const {
+    return overflow.defined() ? reinterpret_cast<const SourceEntry*>(overflow.const_data_ptr())
+                              : nullptr;
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cuda(
-    at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
-  const DepthProblem p = check_forward_args(sources, query, norm_weight, eps);
-  check_width_supported(p.D);
-  const c10::cuda::CUDAGuard guard(sources[0].device());
-  const auto dtype = sources[0].scalar_type();
-  const auto acc = acc_dtype_for(dtype);
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  // Named references, not structured bindings: C++17 lambdas cannot capture those.
-  ForwardOutputs outputs = allocate_forward_outputs(sources, p);
-  at::Tensor& out = outputs.out;
-  at::Tensor& rstd = outputs.rstd;
-  at::Tensor& weights = outputs.weights;
-  if (p.T == 0) return {out, rstd, weights};
-
+void forward(const ForwardCall& call) {
+  const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, dtype, "depth_attention_fwd_cuda", [&] {
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        constexpr int natural = natural_vec<scalar_t>();
-        const DeviceSources src(sources, nullptr, p.T, natural, sizeof(scalar_t), stream);
-        const TileConfig tile = choose_tile(p.D, src.vector_aligned, natural);
-
-        ForwardParams<scalar_t> params{};
-        params.table = src.table;
-        params.overflow = src.overflow_entries();
-        params.u = u.const_data_ptr<acc_t>();
-        params.out = out.data_ptr<scalar_t>();
-        params.rstd = rstd.data_ptr<acc_t>();
-        params.weights = weights.data_ptr<acc_t>();
-        params.T = p.T;
-        params.token_blocks = ceil_div(p.T, tile.tokens_per_cta);
-        params.N = static_cast<int>(p.N);
-        params.D = static_cast<int>(p.D);
-        params.group = tile.group;
-        params.tokens_per_cta = tile.tokens_per_cta;
-        params.eps = static_cast<acc_t>(eps);
-
-        LaunchConfig config;
-        config.tile = tile;
-        config.grid = std::min(params.token_blocks, kMaxGrid);
-        launch_forward<scalar_t>(params, config, stream);
+        const DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
+                                sizeof(scalar_t), stream);
+        const auto launch = forward_launch<scalar_t>(
+            src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(),
+            call.out.data_ptr<scalar_t>(), call.rstd.data_ptr<acc_t>(),
+            call.weights.data_ptr<acc_t>(), p.T, p.N, p.D, static_cast<acc_t>(call.eps));
+        launch_forward<scalar_t>(launch.params, launch.config, stream);
       });
-  return {out, rstd, weights};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
-depth_attention_bwd_cuda(const at::Tensor& grad_out, at::TensorList sources,
-                         const at::Tensor& query,
-                         const std::optional<at::Tensor>& norm_weight,
-                         const at::Tensor& rstd, const at::Tensor& weights,
-                         double scale) {
-  const DepthProblem p = check_backward_args(grad_out, sources, query,
-                                             norm_weight, rstd, weights);
-  check_width_supported(p.D);
-  const c10::cuda::CUDAGuard guard(sources[0].device());
-  const auto dtype = sources[0].scalar_type();
-  const auto acc = acc_dtype_for(dtype);
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  std::vector<at::Tensor> grads = allocate_source_grads(sources);
-  // Z = sum over tokens and sources of alpha_i v_i (see depth_math.h).
-  at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
-  if (p.T == 0) z.zero_();
-
-  if (p.T > 0) {
-    const at::Tensor rstd_c = rstd.contiguous();
-    const at::Tensor weights_c = weights.contiguous();
-    const Rows dh = as_rows(grad_out);
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kBFloat16, at::kHalf, dtype, "depth_attention_bwd_cuda", [&] {
-          using acc_t = at::opmath_type<scalar_t>;
-          constexpr int natural = natural_vec<scalar_t>();
-          const DeviceSources src(sources, &grads, p.T, natural, sizeof(scalar_t), stream);
-          const bool vector_ok =
-              src.vector_aligned && rows_aligned(dh.tensor.const_data_ptr(), dh.row_stride,
-                                                 p.T, natural, sizeof(scalar_t));
-          const BackwardPlan plan = plan_backward(
-              choose_backward_tile(p.D, vector_ok, natural), p.N, p.D, natural, sizeof(acc_t),
-              static_cast<int64_t>(props->sharedMemPerBlockOptin));
-          const TileConfig& tile = plan.tile;
-          const size_t smem = plan.smem_bytes;
-
-          BackwardParams<scalar_t> params{};
-          params.table = src.table;
-          params.overflow = src.overflow_entries();
-          params.u = u.const_data_ptr<acc_t>();
-          params.grad_out = dh.tensor.const_data_ptr<scalar_t>();
-          params.grad_out_stride = dh.row_stride;
-          params.rstd = rstd_c.const_data_ptr<acc_t>();
-          params.weights = weights_c.const_data_ptr<acc_t>();
-          params.T = p.T;
-          params.token_blocks = ceil_div(p.T, tile.tokens_per_cta);
-          params.N = static_cast<int>(p.N);
-          params.D = static_cast<int>(p.D);
-          params.group = tile.group;
-          params.tokens_per_cta = tile.tokens_per_cta;
-          params.stage = plan.stage;
-
-          // A grid that fits the device at once: each CTA loops over tokens
-          // and keeps its share of z in registers, so the partial rows stay
-          // few. It depends only on the shape and the device: same bits
-          // every run.
-          const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(tile, smem);
-          TORCH_CHECK(blocks_per_sm > 0,
-                      "attnres: the CUDA backward kernel cannot run with ",
-                      tile.group * tile.tokens_per_cta, " threads and ", smem,
-                      " bytes of shared memory on this device");
-          const int64_t resident =
-              static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount;
-          LaunchConfig config;
-          config.tile = tile;
-          config.grid = std::min({params.token_blocks, resident, kMaxGrid});
-          config.smem_bytes = smem;
-
-          at::Tensor partial = at::empty({config.grid, p.D}, z.options());
-          params.z_partial = partial.data_ptr<acc_t>();
-          launch_backward<scalar_t>(params, config, stream);
-
-          launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), config.grid,
-                                         static_cast<int>(p.D), z.data_ptr<acc_t>(), stream);
-        });
-  }
-
-  auto [grad_query, grad_gain] = parameter_grads(z, query, norm_weight, scale);
-  return {grads, grad_query, grad_gain};
+void backward(const BackwardCall& call) {
+  const DepthProblem& p = call.problem;
+  const Rows dh = as_rows(call.grad_out);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const DeviceSources src(call.sources, &call.grad_sources, p.T, natural_vec<scalar_t>(),
+                                sizeof(scalar_t), stream);
+        const scalar_t* grad_out = dh.tensor.const_data_ptr<scalar_t>();
+        const BackwardPlan plan =
+            backward_plan<scalar_t>(src.layout, grad_out, dh.row_stride, p.T, p.N, p.D,
+                                    static_cast<int64_t>(props->sharedMemPerBlockOptin));
+        // A grid that fits the device at once: each CTA loops over tokens and
+        // keeps its share of z in registers, so the partial rows stay few.
+        // It depends only on the shape and the device: same bits every run.
+        const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes);
+        TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
+                    plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
+                    plan.smem_bytes, " bytes of shared memory on this device");
+        auto launch = backward_launch<scalar_t>(
+            plan, src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), grad_out,
+            dh.row_stride, call.rstd.const_data_ptr<acc_t>(), call.weights.const_data_ptr<acc_t>(),
+            p.T, p.N, p.D, static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount);
+        at::Tensor partial = at::empty({launch.config.grid, p.D}, call.z.options());
+        launch.params.z_partial = partial.data_ptr<acc_t>();
+        launch_backward<scalar_t>(launch.params, launch.config, stream);
+        launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), launch.config.grid,
+                                       static_cast<int>(p.D), call.z.data_ptr<acc_t>(), stream);
+      });
 }
+
+constexpr DeviceKernels kCudaKernels{&check_width_supported, &forward, &backward};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
-  m.impl("depth_attention_fwd", &depth_attention_fwd_cuda);
-  m.impl("depth_attention_bwd", &depth_attention_bwd_cuda);
-}
+TORCH_LIBRARY_IMPL(attnres, CUDA, m) { register_device_kernels<kCudaKernels>(m); }
 
 }  // namespace cuda
 }  // namespace attnres

@@ -22,6 +22,12 @@
 #include "attnres/depth_math.h"
 #include "launch.h"
 
+// The dynamic shared memory of a CTA. The CPU emulation of these kernels
+// (tests/cuda_emulation/cuda_runtime.h) defines its own version first.
+#ifndef ATTNRES_DYNAMIC_SMEM
+#define ATTNRES_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace attnres {
 namespace cuda {
 
@@ -229,6 +235,39 @@ __device__ __forceinline__ void copy_async_commit_and_wait() {
 #endif
 }
 
+// The dot products the kernels take of each of SU rows held in registers,
+// over this thread's slice (the group all-reduce completes them):
+//   sums[2j]     = <v_j, v_j>  (kSquares)  or  <dh, v_j>
+//   sums[2j + 1] = <u, v_j>                (unless kDhOnly)
+enum class RowDots { kSquaresAndU, kDhAndU, kDhOnly };
+
+template <RowDots kDots, typename scalar_t, int VEC, int VPT, int SU, typename acc_t>
+__device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][VPT],
+                                         const Pack<scalar_t, VEC> (&dh)[VPT], const acc_t* u,
+                                         int lane, int G, int D, acc_t (&sums)[2 * SU]) {
+#pragma unroll
+  for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = (k * G + lane) * VEC;
+    if (c < D) {
+      Pack<acc_t, VEC> uk;
+      if constexpr (kDots != RowDots::kDhOnly) uk = load_global<acc_t, VEC>(u + c);
+#pragma unroll
+      for (int j = 0; j < SU; ++j) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
+          const acc_t x =
+              kDots == RowDots::kSquaresAndU ? v : static_cast<acc_t>(dh[k].x[e]);
+          sums[2 * j] += x * v;
+          if constexpr (kDots != RowDots::kDhOnly) sums[2 * j + 1] += uk.x[e] * v;
+        }
+      }
+    }
+  }
+}
+
 // Position of the calling thread: group (token slot in the CTA) and lane.
 struct GroupPos {
   int group;
@@ -247,7 +286,6 @@ __global__ void __launch_bounds__(kMaxThreads)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
-  using Acc = Pack<acc_t, VEC>;
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
   __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
 
@@ -295,24 +333,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];
-#pragma unroll
-      for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = (k * G + pos.lane) * VEC;
-        if (c < D) {
-          const Acc u = load_global<acc_t, VEC>(p.u + c);
-#pragma unroll
-          for (int j = 0; j < SU; ++j) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
-              sums[2 * j] += v * v;
-              sums[2 * j + 1] += u.x[e] * v;
-            }
-          }
-        }
-      }
+      row_dots<RowDots::kSquaresAndU>(rows, rows[0], p.u, pos.lane, G, D, sums);
       group_allreduce<2 * SU>(sums, G, red, parity);
 
 #pragma unroll
@@ -397,7 +418,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   using Acc = Pack<acc_t, VEC>;
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
   __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
-  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
   const int G = p.group;
   const GroupPos pos(G);
@@ -491,19 +512,12 @@ __global__ void __launch_bounds__(kMaxThreads)
       } else {
         fetch_rows(i0, t, rows);
       }
+      acc_t dots[2 * SU];
+      row_dots<RowDots::kDhOnly>(rows, dh, p.u, pos.lane, G, D, dots);
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
         if (i0 + j < N) {
-          acc_t dot = acc_t(0);
-#pragma unroll
-          for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              dot += static_cast<acc_t>(dh[k].x[e]) *
-                     static_cast<acc_t>(rows[j][k].x[e]);
-            }
-          }
-          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * T + t] * dot;
+          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * T + t] * dots[2 * j];
         }
       }
     }
@@ -522,24 +536,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         fetch_rows(i0, t, rows);
       }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
-#pragma unroll
-      for (int j = 0; j < 2 * SU; ++j) sums[j] = acc_t(0);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = (k * G + pos.lane) * VEC;
-        if (c < D) {
-          const Acc u = load_global<acc_t, VEC>(p.u + c);
-#pragma unroll
-          for (int j = 0; j < SU; ++j) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              const acc_t v = static_cast<acc_t>(rows[j][k].x[e]);
-              sums[2 * j] += static_cast<acc_t>(dh[k].x[e]) * v;
-              sums[2 * j + 1] += u.x[e] * v;
-            }
-          }
-        }
-      }
+      row_dots<RowDots::kDhAndU>(rows, dh, p.u, pos.lane, G, D, sums);
       group_allreduce<2 * SU>(sums, G, red, parity);
 
 #pragma unroll

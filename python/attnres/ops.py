@@ -1,10 +1,14 @@
-"""Python side of the torch ops: argument checks, fake (meta) kernels for
-torch.compile, autograd, and the public functional API.
+"""Python side of the torch ops: fake (meta) kernels for torch.compile,
+autograd, and the public functional API.
 
-The kernels live in C++ (csrc/); importing this module loads them.
+The kernels live in C++ (csrc/); importing this module loads them. In eager
+mode the C++ ops check their arguments (csrc/arguments.cpp) and the Python
+wrapper checks nothing again; while tracing, the fake kernels run
+`check_args`, which raises the same words.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -33,8 +37,8 @@ def _check_parameter(p, name: str, src0: torch.Tensor, D: int) -> None:
         raise ValueError(f"{name} is on device {p.device} but the sources are on device {src0.device}")
 
 
-def check_args(sources, query, norm_weight, eps) -> None:
-    """Same checks and words as csrc/checks.cpp, raised before any kernel runs."""
+def check_args(sources, query, norm_weight, eps, scale) -> None:
+    """Same checks and words as csrc/arguments.cpp (used by the fake kernels)."""
     if len(sources) == 0:
         raise ValueError("sources must be a non-empty list of tensors [..., D]")
     src0 = sources[0]
@@ -70,11 +74,13 @@ def check_args(sources, query, norm_weight, eps) -> None:
         _check_parameter(norm_weight, "norm_weight", src0, D)
     if not (eps >= 0.0 and eps != float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
 
 
 @torch.library.register_fake("attnres::depth_attention_fwd")
 def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
-    check_args(sources, query, norm_weight, eps)
+    check_args(sources, query, norm_weight, eps, scale)
     src0 = sources[0]
     stat_shape = (len(sources), *src0.shape[:-1])
     acc = _acc_dtype(src0.dtype)
@@ -121,6 +127,12 @@ torch.library.register_autograd(
 )
 
 
+def _as_float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
 def depth_attention(
     sources: Union[Sequence[torch.Tensor], torch.Tensor],
     query: torch.Tensor,
@@ -130,7 +142,7 @@ def depth_attention(
     scale: float = 1.0,
     return_weights: bool = False,
 ):
-    """Fused depth attention over ``sources`` (DESIGN.md §1).
+    """Fused depth attention over ``sources`` (docs/design.md §1).
 
     sources: a sequence of N >= 1 tensors [..., D] (same shape, dtype and
     device; never copied into a stack), or one tensor [N, ..., D].
@@ -144,10 +156,9 @@ def depth_attention(
                 f"a stacked sources tensor must have shape [N, ..., D], got {list(sources.shape)}"
             )
         sources = sources.unbind(0)
-    sources = list(sources)
-    check_args(sources, query, norm_weight, eps)
+    # The op checks everything else, once, in C++.
     h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
-        sources, query, norm_weight, float(eps), float(scale)
+        list(sources), query, norm_weight, _as_float(eps, "eps"), _as_float(scale, "scale")
     )
     if return_weights:
         return h, weights.to(torch.float32)

@@ -31,6 +31,8 @@ using cudaStream_t = struct CUstream_st*;
 #define __grid_constant__
 #define __shared__ static
 #define __align__(n) alignas(n)
+// The CTA's dynamic shared memory: a buffer that emu::launch sizes.
+#define ATTNRES_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem()
 
 namespace emu {
 

@@ -1,9 +1,11 @@
 """Runs the CUDA kernels on the CPU through tests/cuda_emulation (no GPU needed).
 
-The kernel source csrc/cuda/kernels.cuh is compiled as host C++ against a
-stand-in cuda_runtime.h (threads, barriers and warp shuffles emulated), with
-the launch plans of csrc/cuda/plan.h, and every output is checked against a
-float64 evaluation of the formulas. This covers the parallel decomposition of
+The kernel source csrc/cuda/kernels.cuh is compiled, unchanged, as host C++
+against a stand-in cuda_runtime.h (threads, barriers and warp shuffles
+emulated), with the parameter blocks and launch shapes of
+csrc/cuda/kernel_params.h (the CUDA host code's own set-up), and every output
+is checked against a float64 evaluation of the formulas with the tolerances
+of tests/tolerances.txt. This covers the parallel decomposition of
 the kernels (lanes, masks, reductions, staging, partial sums) wherever a C++20
 compiler is available; numerics on a real GPU are covered by test_cuda.py.
 """
@@ -30,18 +32,12 @@ def emulator(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler found (set CXX) to build the CUDA kernel emulation")
     build = tmp_path_factory.mktemp("cuda_emulation")
-    with open(os.path.join(ROOT, "csrc", "cuda", "kernels.cuh")) as f:
-        kernels = f.read()
-    # The one line of device code the emulation cannot take as it is.
-    dynamic_smem = "extern __shared__ __align__(16) unsigned char dynamic_smem[];"
-    assert kernels.count(dynamic_smem) == 1, "kernels.cuh changed its dynamic shared memory declaration"
-    with open(build / "kernels_emulated.cuh", "w") as f:
-        f.write(kernels.replace(dynamic_smem, "unsigned char* dynamic_smem = emu::dynamic_smem();"))
     torch_dir = os.path.dirname(torch.__file__)
     exe = build / "emulate_kernels"
     cmd = [
         cxx, "-std=c++20", "-O1", "-pthread",
-        f"-I{EMU_DIR}", f"-I{build}", f"-I{os.path.join(ROOT, 'csrc', 'cuda')}",
+        f"-I{EMU_DIR}", f"-I{os.path.join(ROOT, 'csrc', 'cuda')}",
+        f'-DATTNRES_TOLERANCES_FILE="{os.path.join(ROOT, "tests", "tolerances.txt")}"',
         f"-I{os.path.join(ROOT, 'csrc', 'include')}", f"-I{os.path.join(torch_dir, 'include')}",
         os.path.join(EMU_DIR, "emulate_kernels.cpp"), "-o", str(exe),
         f"-L{os.path.join(torch_dir, 'lib')}", "-lc10", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}",

@@ -4,7 +4,7 @@
 // same code runs on the host, on the device, and on at::vec::Vectorized lanes.
 // The CPU tests therefore exercise exactly the formulas the GPU kernels use.
 //
-// Notation (one token, DESIGN.md §1-§2):
+// Notation (one token; derivation in docs/design.md §1-§2):
 //   v_i   source i (width D), r_i = 1/sqrt(mean(v_i^2) + eps)
 //   u     = scale * query * gain          (so s_i = r_i * dot(u, v_i))
 //   a     = softmax(s), h = sum_i a_i v_i
@@ -28,11 +28,20 @@
 namespace attnres {
 namespace math {
 
+// exp and sqrt in the accumulation type itself: on the host ::exp(float)
+// would resolve to the double-precision function, so the CPU would compute
+// different bits from the GPU. These overloads pick expf/sqrtf for float on
+// both sides.
+ATTNRES_HD float exp_acc(float x) { return ::expf(x); }
+ATTNRES_HD double exp_acc(double x) { return ::exp(x); }
+ATTNRES_HD float sqrt_acc(float x) { return ::sqrtf(x); }
+ATTNRES_HD double sqrt_acc(double x) { return ::sqrt(x); }
+
 // Reciprocal RMS of a row from its sum of squares. Accumulated in acc_t
 // (fp32 for fp32/bf16/fp16 inputs, fp64 for fp64), as apex/Liger do.
 template <typename acc_t>
 ATTNRES_HD acc_t rstd_from_sumsq(acc_t sumsq, int64_t D, acc_t eps) {
-  return acc_t(1) / ::sqrt(sumsq / acc_t(D) + eps);
+  return acc_t(1) / sqrt_acc(sumsq / acc_t(D) + eps);
 }
 
 // Score of one source from its rstd and dot(u, v).
@@ -64,8 +73,8 @@ struct OnlineSoftmax {
   // existing accumulator and the weight of the new value.
   ATTNRES_HD void push(acc_t s, acc_t& rescale, acc_t& p) {
     const acc_t m_new = nan_max(m, s);
-    rescale = ::exp(m - m_new);
-    p = ::exp(s - m_new);
+    rescale = exp_acc(m - m_new);
+    p = exp_acc(s - m_new);
     l = l * rescale + p;
     m = m_new;
   }
@@ -76,14 +85,14 @@ struct OnlineSoftmax {
   ATTNRES_HD void merge(acc_t m_other, acc_t l_other, acc_t& self_scale,
                         acc_t& other_scale) {
     const acc_t m_new = nan_max(m, m_other);
-    self_scale = ::exp(m - m_new);
-    other_scale = ::exp(m_other - m_new);
+    self_scale = exp_acc(m - m_new);
+    other_scale = exp_acc(m_other - m_new);
     l = l * self_scale + l_other * other_scale;
     m = m_new;
   }
 
   // Final softmax weight of a source with score s.
-  ATTNRES_HD acc_t weight(acc_t s) const { return ::exp(s - m) / l; }
+  ATTNRES_HD acc_t weight(acc_t s) const { return exp_acc(s - m) / l; }
   ATTNRES_HD acc_t inv_sum() const { return acc_t(1) / l; }
 };
 

@@ -1,4 +1,6 @@
-// CPU kernels of attnres::depth_attention_{fwd,bwd}.
+// CPU kernels of attnres::depth_attention_{fwd,bwd} (registered, behind the
+// CPU capability check, in register_cpu.cpp; the host sequence around them
+// is attnres/op_sequence.h). The only file built with vector ISA flags.
 //
 // One token at a time, fused: each source row is read once from memory (the
 // second touch of a row hits L1/L2), keys are never materialized and the
@@ -12,32 +14,19 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "attnres/checks.h"
 #include "attnres/depth_math.h"
+#include "attnres/row_layout.h"
+#include "kernels_cpu.h"
 
 namespace attnres {
 namespace cpu {
 namespace {
 
 using at::vec::Vectorized;
-
-// Built with AVX2 code paths (see setup.py / CMakeLists.txt): refuse to run
-// on a CPU without them rather than die on an illegal instruction.
-void check_cpu_capability() {
-#if defined(CPU_CAPABILITY_AVX2)
-  static const bool ok =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  TORCH_CHECK(ok,
-              "attnres was built with AVX2 CPU kernels (ATTNRES_CPU_ARCH="
-              "avx2) but this CPU lacks AVX2/FMA; rebuild with "
-              "ATTNRES_CPU_ARCH=default");
-#endif
-}
 
 // Loads/stores one step of a row as opmath vectors: one vector for
 // float/double, two float vectors for bf16/fp16.
@@ -288,10 +277,19 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
   });
 }
 
-// Fixed token chunking for the parameter-gradient partials: it depends on T
-// only, so the reduction order (and the bits) do not depend on the number
-// of threads.
-constexpr int64_t kMaxChunks = 64;
+// Token chunking of the parameter-gradient partials: one partial row of z
+// per chunk, summed in a fixed order afterwards. It depends on T and D only,
+// so the reduction order (and the bits) do not depend on the number of
+// threads. Chunks of at least kMinChunkTokens tokens, as many as the
+// partial rows' budget allows, so large machines get enough parallel work.
+constexpr int64_t kMinChunkTokens = 32;
+constexpr int64_t kPartialRowsBytes = 8 << 20;
+constexpr int64_t kMinChunks = 64;
+
+int64_t parameter_grad_chunks(int64_t T, int64_t D, int64_t acc_size) {
+  const int64_t most = std::max(kMinChunks, kPartialRowsBytes / (D * acc_size));
+  return std::clamp<int64_t>((T + kMinChunkTokens - 1) / kMinChunkTokens, 1, most);
+}
 
 template <typename scalar_t>
 void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
@@ -308,8 +306,9 @@ void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
   std::vector<scalar_t*> dv_p(N);
   for (int64_t i = 0; i < N; ++i) dv_p[i] = grads[i].data_ptr<scalar_t>();
 
-  const int64_t chunk = std::max<int64_t>(1, (T + kMaxChunks - 1) / kMaxChunks);
-  const int64_t n_chunks = T == 0 ? 0 : (T + chunk - 1) / chunk;
+  const int64_t max_chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
+  const int64_t chunk = (T + max_chunks - 1) / max_chunks;
+  const int64_t n_chunks = (T + chunk - 1) / chunk;
   const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(static_cast<size_t>(n_chunks * D), acc_t(0));
 
@@ -363,58 +362,24 @@ void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_cpu(
-    at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
-  const DepthProblem p = check_forward_args(sources, query, norm_weight, eps);
-  check_cpu_capability();
-  const auto dtype = sources[0].scalar_type();
-  const auto acc = acc_dtype_for(dtype);
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  // Named references, not structured bindings: C++17 lambdas cannot capture those.
-  ForwardOutputs outputs = allocate_forward_outputs(sources, p);
-  at::Tensor& out = outputs.out;
-  at::Tensor& rstd = outputs.rstd;
-  at::Tensor& weights = outputs.weights;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, dtype, "depth_attention_fwd_cpu", [&] {
-        SourceRows<scalar_t> src(sources);
-        forward_impl<scalar_t>(src, u, out, rstd, weights, p, eps);
-      });
-  return {out, rstd, weights};
-}
-
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
-depth_attention_bwd_cpu(const at::Tensor& grad_out, at::TensorList sources,
-                        const at::Tensor& query,
-                        const std::optional<at::Tensor>& norm_weight,
-                        const at::Tensor& rstd, const at::Tensor& weights,
-                        double scale) {
-  const DepthProblem p = check_backward_args(grad_out, sources, query,
-                                             norm_weight, rstd, weights);
-  check_cpu_capability();
-  const auto dtype = sources[0].scalar_type();
-  const auto acc = acc_dtype_for(dtype);
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  std::vector<at::Tensor> grads = allocate_source_grads(sources);
-  at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
-  const at::Tensor rstd_c = rstd.contiguous();
-  const at::Tensor weights_c = weights.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, dtype, "depth_attention_bwd_cpu", [&] {
-        SourceRows<scalar_t> src(sources);
-        backward_impl<scalar_t>(grad_out, src, u, rstd_c, weights_c, grads, z,
-                                p);
-      });
-  auto [grad_query, grad_gain] = parameter_grads(z, query, norm_weight, scale);
-  return {grads, grad_query, grad_gain};
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnres, CPU, m) {
-  m.impl("depth_attention_fwd", &depth_attention_fwd_cpu);
-  m.impl("depth_attention_bwd", &depth_attention_bwd_cpu);
+void forward(const ForwardCall& call) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cpu", [&] {
+        SourceRows<scalar_t> src(call.sources);
+        forward_impl<scalar_t>(src, call.u, call.out, call.rstd, call.weights,
+                               call.problem, call.eps);
+      });
+}
+
+void backward(const BackwardCall& call) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cpu", [&] {
+        SourceRows<scalar_t> src(call.sources);
+        backward_impl<scalar_t>(call.grad_out, src, call.u, call.rstd, call.weights,
+                                call.grad_sources, call.z, call.problem);
+      });
 }
 
 }  // namespace cpu

@@ -1,5 +1,5 @@
-// Argument checks shared by every backend; see include/attnres/checks.h.
-#include "attnres/checks.h"
+// Argument checks shared by every device; see include/attnres/arguments.h.
+#include "attnres/arguments.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -40,13 +40,19 @@ void check_parameter(const at::Tensor& p, const char* name,
 
 }  // namespace
 
+std::vector<int64_t> DepthProblem::stat_shape() const {
+  std::vector<int64_t> shape{N};
+  shape.insert(shape.end(), lead_shape.begin(), lead_shape.end());
+  return shape;
+}
+
 at::ScalarType acc_dtype_for(at::ScalarType source_dtype) {
   return source_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
                                 const std::optional<at::Tensor>& norm_weight,
-                                double eps) {
+                                double eps, double scale) {
   TORCH_CHECK_VALUE(!sources.empty(),
                     "sources must be a non-empty list of tensors [..., D]");
   const at::Tensor& src0 = sources[0];
@@ -82,6 +88,8 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   }
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0,
                     "eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ",
+                    scale);
 
   DepthProblem p;
   p.N = static_cast<int64_t>(sources.size());
@@ -97,8 +105,8 @@ DepthProblem check_backward_args(const at::Tensor& grad_out,
                                  const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
                                  const at::Tensor& rstd,
-                                 const at::Tensor& weights) {
-  DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0);
+                                 const at::Tensor& weights, double scale) {
+  DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0, scale);
   const at::Tensor& src0 = sources[0];
   TORCH_CHECK_VALUE(grad_out.defined() && grad_out.sizes() == src0.sizes(),
                     "grad_out must have the sources' shape ", src0.sizes());
@@ -107,9 +115,7 @@ DepthProblem check_backward_args(const at::Tensor& grad_out,
                    src0.scalar_type(), ", got ", grad_out.scalar_type());
   TORCH_CHECK_VALUE(grad_out.device() == src0.device(),
                     "grad_out must be on the sources' device");
-  std::vector<int64_t> stat_shape{p.N};
-  stat_shape.insert(stat_shape.end(), p.lead_shape.begin(),
-                    p.lead_shape.end());
+  const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
   for (const auto& [t, name] :
        {std::pair<const at::Tensor&, const char*>{rstd, "rstd"},
@@ -123,78 +129,6 @@ DepthProblem check_backward_args(const at::Tensor& grad_out,
                       " must be on the sources' device");
   }
   return p;
-}
-
-Rows as_rows(const at::Tensor& t) {
-  const int64_t nd = t.dim();
-  const int64_t D = t.size(-1);
-  // Rows of D values must be contiguous (a width-1 row always is).
-  bool ok = D == 1 || t.stride(-1) == 1;
-  int64_t row_stride = nd >= 2 ? t.stride(nd - 2) : 0;
-  // Leading dims collapse into one stride if each is the next one's span.
-  // Size-1 dims carry no stride constraint.
-  int64_t expected = -1;
-  for (int64_t k = nd - 2; ok && k >= 0; --k) {
-    if (t.size(k) == 1) continue;
-    if (expected < 0) {
-      row_stride = t.stride(k);
-    } else if (t.stride(k) != expected) {
-      ok = false;
-    }
-    expected = t.stride(k) * t.size(k);
-  }
-  if (ok) return Rows{t, row_stride};
-  at::Tensor c = t.contiguous();
-  return Rows{c, D};
-}
-
-at::Tensor effective_query(const at::Tensor& query,
-                           const std::optional<at::Tensor>& norm_weight,
-                           double scale, at::ScalarType acc_dtype) {
-  at::Tensor u = query.to(acc_dtype).mul(scale);
-  if (norm_weight.has_value() && norm_weight->defined()) {
-    u.mul_(norm_weight->to(acc_dtype));
-  }
-  return u.contiguous();
-}
-
-ForwardOutputs allocate_forward_outputs(at::TensorList sources,
-                                        const DepthProblem& p) {
-  const at::Tensor& src0 = sources[0];
-  const auto acc = acc_dtype_for(src0.scalar_type());
-  std::vector<int64_t> stat_shape{p.N};
-  stat_shape.insert(stat_shape.end(), p.lead_shape.begin(), p.lead_shape.end());
-  ForwardOutputs o;
-  o.out = at::empty(src0.sizes(),
-                    src0.options().memory_format(at::MemoryFormat::Contiguous));
-  o.rstd = at::empty(stat_shape, src0.options().dtype(acc));
-  o.weights = at::empty(stat_shape, src0.options().dtype(acc));
-  return o;
-}
-
-std::vector<at::Tensor> allocate_source_grads(at::TensorList sources) {
-  std::vector<at::Tensor> grads;
-  grads.reserve(sources.size());
-  for (size_t i = 0; i < sources.size(); ++i) {
-    grads.push_back(at::empty(
-        sources[0].sizes(),
-        sources[0].options().memory_format(at::MemoryFormat::Contiguous)));
-  }
-  return grads;
-}
-
-std::pair<at::Tensor, at::Tensor> parameter_grads(
-    const at::Tensor& z, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, double scale) {
-  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
-  const at::Tensor zs = z.mul(scale);
-  at::Tensor grad_query =
-      (has_gain ? zs.mul(norm_weight->to(z.scalar_type())) : zs)
-          .to(query.scalar_type());
-  at::Tensor grad_gain =
-      zs.mul(query.to(z.scalar_type()))
-          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
-  return {grad_query, grad_gain};
 }
 
 }  // namespace attnres

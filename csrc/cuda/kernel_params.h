@@ -1,0 +1,133 @@
+// The one place the CUDA kernels' parameter blocks and launch shapes are
+// built from row pointers. Plain host C++: the CUDA host code
+// (depth_attention_cuda.cu) and the CPU emulation of the kernels
+// (tests/cuda_emulation) both call it, so the emulation runs the real host
+// set-up, not a copy of it.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "launch.h"
+#include "plan.h"
+
+namespace attnres {
+namespace cuda {
+
+// Kernel parameters travel in the 4 KiB parameter space every supported
+// architecture and toolkit accepts.
+constexpr size_t kMaxKernelParamBytes = 4096;
+static_assert(sizeof(ForwardParams<double>) <= kMaxKernelParamBytes,
+              "forward kernel parameters exceed 4 KiB: shrink kTableCapacity");
+static_assert(sizeof(BackwardParams<double>) <= kMaxKernelParamBytes,
+              "backward kernel parameters exceed 4 KiB: shrink kTableCapacity");
+
+// The sources as the kernels see them: the first kTableCapacity entries in
+// the parameter block, the rest in `overflow` (to be placed in device
+// memory by the caller), and whether every source's rows can be read in
+// 16-byte packs.
+struct SourceTableLayout {
+  SourceTable table{};
+  std::vector<SourceEntry> overflow;
+  bool vector_aligned = true;
+};
+
+inline SourceTableLayout layout_sources(const std::vector<SourceEntry>& entries, int64_t T,
+                                        int natural, size_t elem_size) {
+  SourceTableLayout layout;
+  const size_t in_table = std::min<size_t>(entries.size(), kTableCapacity);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (i < in_table) {
+      layout.table.first[i] = entries[i];
+    } else {
+      layout.overflow.push_back(entries[i]);
+    }
+    layout.vector_aligned = layout.vector_aligned &&
+                            rows_aligned(entries[i].src, entries[i].row_stride, T, natural,
+                                         elem_size);
+  }
+  return layout;
+}
+
+template <typename Params>
+struct KernelLaunch {
+  Params params;
+  LaunchConfig config;
+};
+
+// Fields common to both kernels' parameter blocks.
+template <typename Params>
+void fill_common(Params& params, const SourceTableLayout& sources,
+                 const SourceEntry* overflow_on_device, const void* u, int64_t T, int64_t N,
+                 int64_t D, const TileConfig& tile) {
+  using acc_t = typename Params::acc_t;
+  params.table = sources.table;
+  params.overflow = overflow_on_device;
+  params.u = static_cast<const acc_t*>(u);
+  params.T = T;
+  params.token_blocks = ceil_div(T, tile.tokens_per_cta);
+  params.N = static_cast<int>(N);
+  params.D = static_cast<int>(D);
+  params.group = tile.group;
+  params.tokens_per_cta = tile.tokens_per_cta;
+}
+
+// Forward: out [T, D] contiguous, rstd and weights [N, T]. grid_cap bounds
+// the grid (the emulation lowers it to exercise the token loop).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+KernelLaunch<ForwardParams<scalar_t>> forward_launch(
+    const SourceTableLayout& sources, const SourceEntry* overflow_on_device, const acc_t* u,
+    scalar_t* out, acc_t* rstd, acc_t* weights, int64_t T, int64_t N, int64_t D, acc_t eps,
+    int64_t grid_cap = kMaxGrid) {
+  KernelLaunch<ForwardParams<scalar_t>> launch{};
+  const TileConfig tile = choose_tile(D, sources.vector_aligned, natural_vec<scalar_t>());
+  fill_common(launch.params, sources, overflow_on_device, u, T, N, D, tile);
+  launch.params.out = out;
+  launch.params.rstd = rstd;
+  launch.params.weights = weights;
+  launch.params.eps = eps;
+  launch.config.tile = tile;
+  launch.config.grid = std::min(launch.params.token_blocks, grid_cap);
+  return launch;
+}
+
+// Backward plan (tile, staging, dynamic shared memory): the caller asks the
+// device how many CTAs of it are resident before building the launch.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* grad_out,
+                           int64_t grad_out_stride, int64_t T, int64_t N, int64_t D,
+                           int64_t smem_optin_bytes) {
+  constexpr int natural = natural_vec<scalar_t>();
+  const bool vector_ok = sources.vector_aligned &&
+                         rows_aligned(grad_out, grad_out_stride, T, natural, sizeof(scalar_t));
+  return plan_backward(choose_backward_tile(D, vector_ok, natural), N, D, natural,
+                       sizeof(acc_t), smem_optin_bytes);
+}
+
+// Backward: the grid is at most grid_cap CTAs (the resident CTAs on a GPU,
+// so each CTA keeps its query-gradient partial in registers across its
+// tokens). params.z_partial ([config.grid, D]) is left for the caller to set.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+KernelLaunch<BackwardParams<scalar_t>> backward_launch(
+    const BackwardPlan& plan, const SourceTableLayout& sources,
+    const SourceEntry* overflow_on_device, const acc_t* u, const scalar_t* grad_out,
+    int64_t grad_out_stride, const acc_t* rstd, const acc_t* weights, int64_t T, int64_t N,
+    int64_t D, int64_t grid_cap) {
+  KernelLaunch<BackwardParams<scalar_t>> launch{};
+  fill_common(launch.params, sources, overflow_on_device, u, T, N, D, plan.tile);
+  launch.params.grad_out = grad_out;
+  launch.params.grad_out_stride = grad_out_stride;
+  launch.params.rstd = rstd;
+  launch.params.weights = weights;
+  launch.params.z_partial = nullptr;
+  launch.params.stage = plan.stage;
+  launch.config.tile = plan.tile;
+  launch.config.grid = std::min({launch.params.token_blocks, grid_cap, kMaxGrid});
+  launch.config.smem_bytes = plan.smem_bytes;
+  return launch;
+}
+
+}  // namespace cuda
+}  // namespace attnres

@@ -1,0 +1,40 @@
+// Argument checks of the attnres ops, the same for every device, so C++
+// callers, the CPU kernels and the CUDA kernels report bad input with the
+// same words. In eager mode these are the only checks a call makes; the fake
+// kernels in python/attnres/ops.py raise the same words while tracing.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <optional>
+#include <vector>
+
+namespace attnres {
+
+// Shape of one depth-attention problem: N sources of [lead..., D], T tokens.
+struct DepthProblem {
+  int64_t N = 0;
+  int64_t D = 0;
+  int64_t T = 0;
+  std::vector<int64_t> lead_shape;  // the source shape without the last dim
+
+  // Shape of the per-source statistics (rstd, weights): [N, lead...].
+  std::vector<int64_t> stat_shape() const;
+};
+
+DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
+                                const std::optional<at::Tensor>& norm_weight,
+                                double eps, double scale);
+
+DepthProblem check_backward_args(const at::Tensor& grad_out,
+                                 at::TensorList sources,
+                                 const at::Tensor& query,
+                                 const std::optional<at::Tensor>& norm_weight,
+                                 const at::Tensor& rstd,
+                                 const at::Tensor& weights, double scale);
+
+// Accumulation dtype for a source dtype: fp64 for fp64, fp32 otherwise.
+at::ScalarType acc_dtype_for(at::ScalarType source_dtype);
+
+}  // namespace attnres

@@ -1,0 +1,91 @@
+// The one host sequence of both ops, shared by every device:
+//   check the arguments -> u = scale * query * gain (accumulation dtype)
+//   -> allocate the outputs -> the device's kernel -> query/gain gradients.
+// A device supplies only its kernels (DeviceKernels) and registers them with
+// register_device_kernels; see cpu/register_cpu.cpp and
+// cuda/depth_attention_cuda.cu.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "attnres/arguments.h"
+
+namespace attnres {
+
+// What a device's forward kernel gets: outputs already allocated
+// (out contiguous in the sources' dtype; rstd and weights [N, ...]
+// contiguous in the accumulation dtype). Never called with T == 0.
+struct ForwardCall {
+  const DepthProblem& problem;
+  at::TensorList sources;
+  const at::Tensor& u;  // scale * query * gain, [D], accumulation dtype
+  double eps;
+  at::Tensor& out;
+  at::Tensor& rstd;
+  at::Tensor& weights;
+};
+
+// What a device's backward kernel gets: one contiguous gradient per source
+// to fill, and z [D] (accumulation dtype) to set to the sum over tokens and
+// sources of alpha_i v_i (docs/design.md §2). Never called with T == 0.
+struct BackwardCall {
+  const DepthProblem& problem;
+  const at::Tensor& grad_out;
+  at::TensorList sources;
+  const at::Tensor& u;
+  const at::Tensor& rstd;     // contiguous
+  const at::Tensor& weights;  // contiguous
+  std::vector<at::Tensor>& grad_sources;
+  at::Tensor& z;
+};
+
+struct DeviceKernels {
+  // Device limits beyond the common checks (may be null); runs before any
+  // other work of the call.
+  void (*check_supported)(const DepthProblem&);
+  void (*forward)(const ForwardCall&);
+  void (*backward)(const BackwardCall&);
+};
+
+using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using BackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>;
+
+ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
+                          const at::Tensor& query,
+                          const std::optional<at::Tensor>& norm_weight,
+                          double eps, double scale);
+
+BackwardResult run_backward(const DeviceKernels& kernels,
+                            const at::Tensor& grad_out, at::TensorList sources,
+                            const at::Tensor& query,
+                            const std::optional<at::Tensor>& norm_weight,
+                            const at::Tensor& rstd, const at::Tensor& weights,
+                            double scale);
+
+// Registers a device's kernels for both ops under its dispatch key:
+//   TORCH_LIBRARY_IMPL(attnres, CPU, m) { register_device_kernels<kCpu>(m); }
+template <const DeviceKernels& kernels>
+void register_device_kernels(torch::Library& m) {
+  m.impl("depth_attention_fwd",
+         [](at::TensorList sources, const at::Tensor& query,
+            const std::optional<at::Tensor>& norm_weight, double eps,
+            double scale) {
+           return run_forward(kernels, sources, query, norm_weight, eps, scale);
+         });
+  m.impl("depth_attention_bwd",
+         [](const at::Tensor& grad_out, at::TensorList sources,
+            const at::Tensor& query,
+            const std::optional<at::Tensor>& norm_weight,
+            const at::Tensor& rstd, const at::Tensor& weights, double scale) {
+           return run_backward(kernels, grad_out, sources, query, norm_weight,
+                               rstd, weights, scale);
+         });
+}
+
+}  // namespace attnres
