@@ -1,22 +1,18 @@
 // Launcher of the forward kernel for every compiled tile and dtype.
-#include <c10/cuda/CUDAException.h>
-
 #include "kernels.cuh"
+#include "launch_kernel.cuh"
 
 namespace attnres {
 namespace cuda {
 
 template <typename scalar_t>
-void launch_forward(const ForwardParams<scalar_t>& params,
-                    const LaunchConfig& config, cudaStream_t stream) {
-  with_tile<scalar_t>(config.tile.vec, config.tile.vpt, [&](auto vec, auto vpt) {
-    constexpr int VEC = decltype(vec)::value;
-    constexpr int VPT = decltype(vpt)::value;
-    const int threads = config.tile.group * config.tile.tokens_per_cta;
-    depth_attention_fwd_kernel<scalar_t, VEC, VPT>
-        <<<static_cast<unsigned>(config.grid), threads, config.smem_bytes, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
+                    cudaStream_t stream) {
+  launch_tiled<scalar_t>(
+      [](auto vec, auto vpt) {
+        return depth_attention_fwd_kernel<scalar_t, decltype(vec)::value, decltype(vpt)::value>;
+      },
+      params, config, stream);
 }
 
 template void launch_forward<double>(const ForwardParams<double>&, const LaunchConfig&,

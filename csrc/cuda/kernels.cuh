@@ -250,7 +250,8 @@ __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][V
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int c = (k * G + lane) * VEC;
-    if (c < D) {
+    // Rows and dh are zero past D; u is not, and is not read there.
+    if (kDots == RowDots::kDhOnly || c < D) {
       Pack<acc_t, VEC> uk;
       if constexpr (kDots != RowDots::kDhOnly) uk = load_global<acc_t, VEC>(u + c);
 #pragma unroll
@@ -268,11 +269,21 @@ __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][V
   }
 }
 
-// Position of the calling thread: group (token slot in the CTA) and lane.
-struct GroupPos {
+// The calling thread's place — its group (token slot in the CTA) and its
+// lane among the G threads of the group — and the problem shape, copied
+// from the kernel parameters into registers once (reading them from the
+// parameter space at each use costs registers and spills in the wider
+// tiles).
+struct ThreadPlace {
+  int G;
   int group;
   int lane;
-  __device__ __forceinline__ explicit GroupPos(int G) {
+  int N;
+  int D;
+  int64_t T;
+  template <typename Params>
+  __device__ __forceinline__ explicit ThreadPlace(const Params& p)
+      : G(p.group), N(p.N), D(p.D), T(p.T) {
     group = static_cast<int>(threadIdx.x) / G;
     lane = static_cast<int>(threadIdx.x) - group * G;
   }
@@ -289,19 +300,15 @@ __global__ void __launch_bounds__(kMaxThreads)
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
   __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
 
-  const int G = p.group;
-  const GroupPos pos(G);
-  const int N = p.N;
-  const int D = p.D;
-  const int64_t T = p.T;
+  const ThreadPlace pos(p);
   int parity = 0;
 
   for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
     // Surplus groups of the last block compute on a valid token (so every
     // thread reaches the barriers) and store nothing.
     const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
-    const bool active = t_wanted < T;
-    const int64_t t = active ? t_wanted : T - 1;
+    const bool active = t_wanted < pos.T;
+    const int64_t t = active ? t_wanted : pos.T - 1;
 
     acc_t acc[VPT][VEC];
     math::OnlineSoftmax<acc_t> sm;
@@ -314,9 +321,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetch;
     Row next[SU][VPT];
     if constexpr (kPrefetch) {
-      load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, 0, N, t, pos.lane, G, D, next);
+      load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, 0, pos.N, t, pos.lane, pos.G, pos.D, next);
     }
-    for (int i0 = 0; i0 < N; i0 += SU) {
+    for (int i0 = 0; i0 < pos.N; i0 += SU) {
       Row rows[SU][VPT];
       if constexpr (kPrefetch) {
 #pragma unroll
@@ -324,29 +331,29 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
           for (int k = 0; k < VPT; ++k) rows[j][k] = next[j][k];
         }
-        if (i0 + SU < N) {
-          load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0 + SU, N, t, pos.lane, G, D,
+        if (i0 + SU < pos.N) {
+          load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0 + SU, pos.N, t, pos.lane, pos.G, pos.D,
                                             next);
         }
       } else {
-        load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0, N, t, pos.lane, G, D, rows);
+        load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0, pos.N, t, pos.lane, pos.G, pos.D, rows);
       }
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];
-      row_dots<RowDots::kSquaresAndU>(rows, rows[0], p.u, pos.lane, G, D, sums);
-      group_allreduce<2 * SU>(sums, G, red, parity);
+      row_dots<RowDots::kSquaresAndU>(rows, rows[0], p.u, pos.lane, pos.G, pos.D, sums);
+      group_allreduce<2 * SU>(sums, pos.G, red, parity);
 
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
         const int i = i0 + j;
-        if (i < N) {
-          const acc_t r = math::rstd_from_sumsq(sums[2 * j], D, p.eps);
+        if (i < pos.N) {
+          const acc_t r = math::rstd_from_sumsq(sums[2 * j], pos.D, p.eps);
           const acc_t s = math::score(r, sums[2 * j + 1]);
           // The score is parked in `weights` by the lane that will turn it
           // into a weight once the softmax is complete (same thread: no
           // synchronization needed).
-          if (active && pos.lane == i % G) {
-            const int64_t idx = static_cast<int64_t>(i) * T + t;
+          if (active && pos.lane == i % pos.G) {
+            const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
             p.rstd[idx] = r;
             p.weights[idx] = s;
           }
@@ -378,11 +385,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     if (active) {
       const acc_t inv = sm.inv_sum();
-      scalar_t* out_row = p.out + t * static_cast<int64_t>(D);
+      scalar_t* out_row = p.out + t * static_cast<int64_t>(pos.D);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        const int c = (k * G + pos.lane) * VEC;
-        if (c < D) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
           Row o;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
@@ -391,8 +398,8 @@ __global__ void __launch_bounds__(kMaxThreads)
           store_global<scalar_t, VEC>(out_row + c, o);
         }
       }
-      for (int i = pos.lane; i < N; i += G) {
-        const int64_t idx = static_cast<int64_t>(i) * T + t;
+      for (int i = pos.lane; i < pos.N; i += pos.G) {
+        const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
         p.weights[idx] = sm.weight(p.weights[idx]);
       }
     }
@@ -420,15 +427,11 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
   ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
-  const int G = p.group;
-  const GroupPos pos(G);
-  const int N = p.N;
-  const int D = p.D;
-  const int64_t T = p.T;
+  const ThreadPlace pos(p);
   int parity = 0;
-  // This group's staging area: entry (i, k) of this lane at [(i*VPT+k)*G+lane].
+  // This group's staging area: entry (i, k) of this lane at [(i*VPT+k)*pos.G+lane].
   Row* stage = reinterpret_cast<Row*>(dynamic_smem) +
-               static_cast<int64_t>(pos.group) * N * VPT * G;
+               static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
 
   acc_t z[VPT][VEC];
 #pragma unroll
@@ -450,14 +453,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
     for (int j = 0; j < SU; ++j) {
       const int i = i0 + j;
-      if (i < N) {
+      if (i < pos.N) {
         const scalar_t* row =
             p.stage ? nullptr : source_row<scalar_t>(p.table, p.overflow, i, t);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-          const int c = (k * G + pos.lane) * VEC;
-          if (c < D) {
-            rows[j][k] = p.stage ? stage[(i * VPT + k) * G + pos.lane]
+          const int c = (k * pos.G + pos.lane) * VEC;
+          if (c < pos.D) {
+            rows[j][k] = p.stage ? stage[(i * VPT + k) * pos.G + pos.lane]
                                  : load_global<scalar_t, VEC>(row + c);
           } else {
             rows[j][k] = zero_pack<scalar_t, VEC>();
@@ -472,18 +475,18 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
     const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
-    const bool active = t_wanted < T;
-    const int64_t t = active ? t_wanted : T - 1;
+    const bool active = t_wanted < pos.T;
+    const int64_t t = active ? t_wanted : pos.T - 1;
 
     if (sizeof(Row) == 16 && p.stage) {
       // Only 16-byte packs are staged (the host enables staging only then).
       // Each thread copies and later reads back only its own entries.
-      for (int i = 0; i < N; ++i) {
+      for (int i = 0; i < pos.N; ++i) {
         const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-          const int c = (k * G + pos.lane) * VEC;
-          if (c < D) copy_async_16(&stage[(i * VPT + k) * G + pos.lane], row + c);
+          const int c = (k * pos.G + pos.lane) * VEC;
+          if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
         }
       }
     }
@@ -492,8 +495,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       const scalar_t* row = p.grad_out + t * p.grad_out_stride;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        const int c = (k * G + pos.lane) * VEC;
-        dh[k] = c < D ? load_global<scalar_t, VEC>(row + c)
+        const int c = (k * pos.G + pos.lane) * VEC;
+        dh[k] = c < pos.D ? load_global<scalar_t, VEC>(row + c)
                       : zero_pack<scalar_t, VEC>();
       }
     }
@@ -504,27 +507,27 @@ __global__ void __launch_bounds__(kMaxThreads)
     Row next[SU][VPT];
     if constexpr (kPrefetch) fetch_rows(0, t, next);
     acc_t sum_a_dp[1] = {acc_t(0)};
-    for (int i0 = 0; i0 < N; i0 += SU) {
+    for (int i0 = 0; i0 < pos.N; i0 += SU) {
       Row rows[SU][VPT];
       if constexpr (kPrefetch) {
         copy_rows(rows, next);
-        if (i0 + SU < N) fetch_rows(i0 + SU, t, next);
+        if (i0 + SU < pos.N) fetch_rows(i0 + SU, t, next);
       } else {
         fetch_rows(i0, t, rows);
       }
       acc_t dots[2 * SU];
-      row_dots<RowDots::kDhOnly>(rows, dh, p.u, pos.lane, G, D, dots);
+      row_dots<RowDots::kDhOnly>(rows, dh, p.u, pos.lane, pos.G, pos.D, dots);
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
-        if (i0 + j < N) {
-          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * T + t] * dots[2 * j];
+        if (i0 + j < pos.N) {
+          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * pos.T + t] * dots[2 * j];
         }
       }
     }
-    group_allreduce<1>(sum_a_dp, G, red, parity);
+    group_allreduce<1>(sum_a_dp, pos.G, red, parity);
 
     // Pass 2, last batch first.
-    const int n_batches = (N + SU - 1) / SU;
+    const int n_batches = (pos.N + SU - 1) / SU;
     if constexpr (kPrefetch) fetch_rows((n_batches - 1) * SU, t, next);
     for (int b = n_batches - 1; b >= 0; --b) {
       const int i0 = b * SU;
@@ -536,24 +539,24 @@ __global__ void __launch_bounds__(kMaxThreads)
         fetch_rows(i0, t, rows);
       }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
-      row_dots<RowDots::kDhAndU>(rows, dh, p.u, pos.lane, G, D, sums);
-      group_allreduce<2 * SU>(sums, G, red, parity);
+      row_dots<RowDots::kDhAndU>(rows, dh, p.u, pos.lane, pos.G, pos.D, sums);
+      group_allreduce<2 * SU>(sums, pos.G, red, parity);
 
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
         const int i = i0 + j;
-        if (i < N && active) {
-          const int64_t idx = static_cast<int64_t>(i) * T + t;
+        if (i < pos.N && active) {
+          const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
           const acc_t a = p.weights[idx];
           const acc_t r = p.rstd[idx];
           const acc_t s = math::score(r, sums[2 * j + 1]);
           const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
-              a, r, s, sums[2 * j], sum_a_dp[0], static_cast<int64_t>(D));
-          scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, D);
+              a, r, s, sums[2 * j], sum_a_dp[0], static_cast<int64_t>(pos.D));
+          scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, pos.D);
 #pragma unroll
           for (int k = 0; k < VPT; ++k) {
-            const int c = (k * G + pos.lane) * VEC;
-            if (c < D) {
+            const int c = (k * pos.G + pos.lane) * VEC;
+            if (c < pos.D) {
               const Acc u = load_global<acc_t, VEC>(p.u + c);
               Row o;
 #pragma unroll
@@ -573,12 +576,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // This CTA's partial of z: the groups' registers summed in group order.
-  acc_t* z_row = p.z_partial + static_cast<int64_t>(blockIdx.x) * D;
+  acc_t* z_row = p.z_partial + static_cast<int64_t>(blockIdx.x) * pos.D;
   if (p.tokens_per_cta == 1) {
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int c = (k * G + pos.lane) * VEC;
-      if (c < D) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) z_row[c + e] = z[k][e];
       }
@@ -591,8 +594,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (pos.group == g) {
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        const int c = (k * G + pos.lane) * VEC;
-        if (c < D) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             z_sum[c + e] = g == 0 ? z[k][e] : z_sum[c + e] + z[k][e];
@@ -602,7 +605,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     __syncthreads();
   }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) z_row[d] = z_sum[d];
+  for (int d = threadIdx.x; d < pos.D; d += blockDim.x) z_row[d] = z_sum[d];
 }
 
 // ---------------------------------------------------------------------------
