@@ -1,4 +1,4 @@
-"""Drop-in modules for Attention Residuals (DESIGN.md §1, §3).
+"""Drop-in modules for Attention Residuals (docs/design.md §1, §3).
 
 A PreNorm block normally does ``x = x + f(norm(x))``. With AttnRes the
 outputs are kept apart in a :class:`DepthStream` and every sublayer reads
@@ -12,6 +12,7 @@ them through its own :class:`AttnResResidual`::
 """
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional
 
 import torch
@@ -79,8 +80,19 @@ class DepthStream:
         return self.embedding.shape
 
     @property
-    def dim(self) -> int:
+    def width(self) -> int:
+        """The model width D: the size of the last dimension of every source."""
         return self.embedding.shape[-1]
+
+    @property
+    def dim(self) -> int:
+        """Deprecated alias of :attr:`width` (kept for one release)."""
+        warnings.warn(
+            "DepthStream.dim is deprecated; use DepthStream.width (a tensor's .dim() is its rank)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.width
 
     @property
     def dtype(self) -> torch.dtype:
@@ -209,10 +221,10 @@ class AttnResResidual(nn.Module):
             raise TypeError(
                 f"AttnResResidual expects an attnres.DepthStream, got {type(stream).__name__}"
             )
-        if stream.dim != self.dim:
+        if stream.width != self.dim:
             raise ValueError(
-                f"AttnResResidual has dim {self.dim} but the DepthStream has width "
-                f"D = {stream.dim}"
+                f"AttnResResidual has width dim = {self.dim} but the DepthStream has width "
+                f"D = {stream.width}"
             )
         return depth_attention(
             stream.sources, self.query, self.norm_weight, eps=self.eps,

@@ -2,7 +2,6 @@
 torch.compile, activation checkpointing, bf16 autocast, DDP, FSDP2 and
 state_dict round trips. Tiny model so the whole file stays fast on CPU."""
 import io
-import os
 import socket
 
 import pytest
@@ -74,19 +73,15 @@ def assert_grads_close(got, want, rtol):
 # ---- torch.compile -------------------------------------------------------------------
 
 
-SLOW = pytest.mark.skipif(
-    not os.environ.get("ATTNRES_SLOW_TESTS"),
-    reason="inductor's first CPU compile takes over a minute on 2 cores; set ATTNRES_SLOW_TESTS=1",
-)
-
-
+# inductor's first CPU compile takes over a minute on 2 cores: marked slow
+# (registered in conftest.py). They run by default; -m "not slow" skips them.
 @pytest.mark.parametrize(
     "residual,backend",
     [
         ("full", "aot_eager"),
         ("block", "aot_eager"),
-        pytest.param("full", "inductor", marks=SLOW),
-        pytest.param("block", "inductor", marks=SLOW),
+        pytest.param("full", "inductor", marks=pytest.mark.slow),
+        pytest.param("block", "inductor", marks=pytest.mark.slow),
     ],
 )
 def test_compile_fullgraph_matches_eager(residual, backend):
