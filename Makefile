@@ -1,23 +1,28 @@
 # attnres: `make test` and `make demo` do their own set-up (idempotent):
-# a venv in .venv with torch and the test tools, the editable extension
-# build, and the CMake build of the C++ tests against the same LibTorch.
+# a venv in .venv with torch and the test tools, then one CMake build (in
+# build-cmake, driven by pip's editable install) of the op library, the
+# Python extension and the C++ tests against the venv's LibTorch.
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
-BUILD_CPP := build-cpp
-CSRC := $(shell find csrc -type f) setup.py
-CMAKE_SRC := $(CSRC) CMakeLists.txt $(shell find tests/cpp -type f 2>/dev/null)
+BUILD := build-cmake
+BUILD_INPUTS := $(shell find csrc tests/cpp -type f) setup.py CMakeLists.txt
 
-.PHONY: test demo bench setup build py-test cpp-test sysdeps clean info
+.PHONY: test test-fast demo bench setup build py-test cpp-test sysdeps clean info
 
 test: py-test cpp-test
+
+# Skips the tests marked slow (the inductor compiles): for quick local runs.
+test-fast: build
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests/python
+	ctest --test-dir $(BUILD) --output-on-failure
 
 demo: build
 	$(VPY) -m attnres demo
 
 bench: build
-	$(VPY) benchmarks/bench_op.py
+	$(VPY) benchmarks/bench.py --device cpu
 
 info: build
 	$(VPY) -m attnres info
@@ -37,22 +42,18 @@ $(VENV)/.stamp-deps: requirements-dev.txt
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	@touch $@
 
-$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(CSRC)
-	$(VPY) -m pip install -q --no-build-isolation -e .
+# One compile for everything: the editable install runs CMake in $(BUILD)
+# with the C++ tests enabled, and ctest reuses that build.
+$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(BUILD_INPUTS) | sysdeps
+	ATTNRES_BUILD_DIR=$(BUILD) ATTNRES_BUILD_TESTS=1 $(VPY) -m pip install -q --no-build-isolation -e .
 	$(VPY) -m attnres info  # what the build decided: CPU and CUDA kernels compiled in
 	@touch $@
 
 py-test: build
-	ATTNRES_SLOW_TESTS=1 $(VPY) -m pytest -q -p no:cacheprovider tests/python
+	$(VPY) -m pytest -q -p no:cacheprovider tests/python
 
-$(BUILD_CPP)/.stamp: $(VENV)/.stamp-deps $(CMAKE_SRC) | sysdeps
-	cmake -S . -B $(BUILD_CPP) -DCMAKE_BUILD_TYPE=Release \
-	  -DCMAKE_PREFIX_PATH="$$($(VPY) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-	cmake --build $(BUILD_CPP) -j $(MAX_JOBS)
-	@touch $@
-
-cpp-test: $(BUILD_CPP)/.stamp
-	ctest --test-dir $(BUILD_CPP) --output-on-failure
+cpp-test: build
+	ctest --test-dir $(BUILD) --output-on-failure
 
 clean:
-	rm -rf $(BUILD_CPP) build python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build
+	rm -rf $(BUILD) build python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build

@@ -77,8 +77,8 @@ PY
   local left=$(( TOTAL_S - $(elapsed) ))
   echo "== benchmark ($(elapsed) s elapsed, ${left} s left)"
   if [ $left -gt 40 ]; then
-    timeout $(( left )) python3 benchmarks/bench_gpu.py --budget-s $(( left - 30 ))
-    echo "bench_gpu.py rc=$?"
+    timeout $(( left )) python3 benchmarks/bench.py --device cuda --budget-s $(( left - 30 ))
+    echo "bench.py rc=$?"
   else
     echo "no time left for the benchmark"
   fi
