@@ -100,34 +100,48 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   return p;
 }
 
-DepthProblem check_backward_args(const at::Tensor& grad_out,
+DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
+                                 const std::optional<at::Tensor>& grad_weights,
                                  at::TensorList sources,
                                  const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
                                  const at::Tensor& rstd,
-                                 const at::Tensor& weights, double scale) {
+                                 const at::Tensor& weights, double scale,
+                                 const c10::List<bool>& output_mask) {
   DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0, scale);
   const at::Tensor& src0 = sources[0];
-  TORCH_CHECK_VALUE(grad_out.defined() && grad_out.sizes() == src0.sizes(),
-                    "grad_out must have the sources' shape ", src0.sizes());
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == src0.scalar_type(),
-                   "grad_out must have the sources' dtype ",
-                   src0.scalar_type(), ", got ", grad_out.scalar_type());
-  TORCH_CHECK_VALUE(grad_out.device() == src0.device(),
-                    "grad_out must be on the sources' device");
+  if (grad_out.has_value() && grad_out->defined()) {
+    TORCH_CHECK_VALUE(grad_out->sizes() == src0.sizes(),
+                      "grad_out must have the sources' shape ", src0.sizes(),
+                      ", got ", grad_out->sizes());
+    TORCH_CHECK_TYPE(grad_out->scalar_type() == src0.scalar_type(),
+                     "grad_out must have the sources' dtype ",
+                     src0.scalar_type(), ", got ", grad_out->scalar_type());
+    TORCH_CHECK_VALUE(grad_out->device() == src0.device(),
+                      "grad_out must be on the sources' device");
+  }
   const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
-  for (const auto& [t, name] :
-       {std::pair<const at::Tensor&, const char*>{rstd, "rstd"},
-        std::pair<const at::Tensor&, const char*>{weights, "weights"}}) {
-    TORCH_CHECK_VALUE(t.defined() && t.sizes() == at::IntArrayRef(stat_shape),
-                      name, " must have shape [N, ...] = ",
-                      at::IntArrayRef(stat_shape));
+  auto check_stat = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(stat_shape), name,
+                      " must have shape [N, ...] = ",
+                      at::IntArrayRef(stat_shape), ", got ", t.sizes());
     TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", acc,
                      ", got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.device() == src0.device(), name,
                       " must be on the sources' device");
+  };
+  TORCH_CHECK_VALUE(rstd.defined(), "rstd must be a tensor");
+  TORCH_CHECK_VALUE(weights.defined(), "weights must be a tensor");
+  check_stat(rstd, "rstd");
+  check_stat(weights, "weights");
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    check_stat(*grad_weights, "grad_weights");
   }
+  TORCH_CHECK_VALUE(static_cast<int64_t>(output_mask.size()) == p.N + 2,
+                    "output_mask must have N + 2 = ", p.N + 2,
+                    " entries (each source, query, norm_weight), got ",
+                    output_mask.size());
   return p;
 }
 

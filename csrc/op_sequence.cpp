@@ -36,6 +36,10 @@ std::pair<at::Tensor, at::Tensor> parameter_grads(
   return {grad_query, grad_gain};
 }
 
+bool is_defined(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined();
+}
+
 }  // namespace
 
 ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
@@ -58,34 +62,54 @@ ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
 }
 
 BackwardResult run_backward(const DeviceKernels& kernels,
-                            const at::Tensor& grad_out, at::TensorList sources,
-                            const at::Tensor& query,
+                            const std::optional<at::Tensor>& grad_out,
+                            const std::optional<at::Tensor>& grad_weights,
+                            at::TensorList sources, const at::Tensor& query,
                             const std::optional<at::Tensor>& norm_weight,
                             const at::Tensor& rstd, const at::Tensor& weights,
-                            double scale) {
-  const DepthProblem p = check_backward_args(grad_out, sources, query,
-                                             norm_weight, rstd, weights, scale);
+                            double scale, const c10::List<bool>& output_mask) {
+  const DepthProblem p =
+      check_backward_args(grad_out, grad_weights, sources, query, norm_weight,
+                          rstd, weights, scale, output_mask);
   if (kernels.check_supported) kernels.check_supported(p);
   const at::Tensor& src0 = sources[0];
   const c10::DeviceGuard guard(src0.device());
   const auto acc = acc_dtype_for(src0.scalar_type());
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  std::vector<at::Tensor> grads;
-  grads.reserve(sources.size());
+  const auto grad_options =
+      src0.options().memory_format(at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> grads(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
-    grads.push_back(at::empty(
-        src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous)));
+    if (output_mask.get(i)) grads[i] = at::empty(src0.sizes(), grad_options);
   }
-  at::Tensor z = at::empty({p.D}, query.options().dtype(acc));
+  const bool want_query = output_mask.get(p.N);
+  const bool want_gain = output_mask.get(p.N + 1);
+  at::Tensor z;
+  if (want_query || want_gain) z = at::empty({p.D}, query.options().dtype(acc));
   if (p.T == 0) {
-    z.zero_();
+    if (z.defined()) z.zero_();
   } else {
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    // An absent gradient of h contributes nothing: zeros keep the kernels
+    // to one form (this path is rare: a loss on the weights alone).
+    const at::Tensor dh = is_defined(grad_out) ? *grad_out : at::zeros_like(src0);
+    const at::Tensor gw =
+        is_defined(grad_weights) ? grad_weights->contiguous() : at::Tensor();
     const at::Tensor rstd_c = rstd.contiguous();
     const at::Tensor weights_c = weights.contiguous();
-    kernels.backward({p, grad_out, sources, u, rstd_c, weights_c, grads, z});
+    kernels.backward({p, dh, gw, sources, u, rstd_c, weights_c, grads, z});
   }
-  auto [grad_query, grad_gain] = parameter_grads(z, query, norm_weight, scale);
-  return {grads, grad_query, grad_gain};
+  at::Tensor grad_query, grad_gain;
+  if (z.defined()) {
+    std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
+  }
+  if (!want_query) grad_query = at::Tensor();
+  if (!want_gain) grad_gain = at::Tensor();
+  // The schema's grad_sources lists the wanted gradients only.
+  std::vector<at::Tensor> wanted;
+  for (auto& g : grads) {
+    if (g.defined()) wanted.push_back(std::move(g));
+  }
+  return {wanted, grad_query, grad_gain};
 }
 
 }  // namespace attnres

@@ -1,10 +1,12 @@
 // The attnres operator library: every schema in one TORCH_LIBRARY block
 // (the per-device kernels register under TORCH_LIBRARY_IMPL in cpu/ and
-// cuda/), plus the C++ API of include/attnres/ops.h.
+// cuda/, autograd in autograd.cpp), plus the C++ API of
+// include/attnres/ops.h.
 #include "attnres/ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
 
 TORCH_LIBRARY(attnres, m) {
   // Forward: h = sum_i softmax_i(scale * <query, RMSNorm(v_i) * gain>) v_i.
@@ -14,11 +16,17 @@ TORCH_LIBRARY(attnres, m) {
       "depth_attention_fwd(Tensor[] sources, Tensor query, Tensor? "
       "norm_weight, float eps, float scale) -> (Tensor out, Tensor rstd, "
       "Tensor weights)");
-  // Backward: gradients of every source, the query and the gain (for an
-  // absent gain, the gradient of an implicit all-ones gain).
+  // Backward, from the gradients of h and of the weights (either may be
+  // absent): gradients of the sources, the query and the gain (for an
+  // absent gain, the gradient of an implicit all-ones gain). output_mask
+  // has N + 2 entries (each source, query, norm_weight), as ATen's native
+  // backward ops take: a gradient that is not asked for is not computed.
+  // grad_sources holds the wanted source gradients only, in source order;
+  // an unwanted query or gain gradient comes back undefined (None).
   m.def(
-      "depth_attention_bwd(Tensor grad_out, Tensor[] sources, Tensor query, "
-      "Tensor? norm_weight, Tensor rstd, Tensor weights, float scale) -> "
+      "depth_attention_bwd(Tensor? grad_out, Tensor? grad_weights, "
+      "Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor rstd, "
+      "Tensor weights, float scale, bool[] output_mask) -> "
       "(Tensor[] grad_sources, Tensor grad_query, Tensor grad_norm_weight)");
 }
 
@@ -37,19 +45,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
+depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
+                    const std::optional<at::Tensor>& grad_weights,
+                    at::TensorList sources, const at::Tensor& query,
+                    const std::optional<at::Tensor>& norm_weight,
+                    const at::Tensor& rstd, const at::Tensor& weights,
+                    double scale, const c10::List<bool>& output_mask) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attnres::depth_attention_bwd", "")
+          .typed<std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>(
+              const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, at::TensorList,
+              const at::Tensor&, const std::optional<at::Tensor>&,
+              const at::Tensor&, const at::Tensor&, double,
+              const c10::List<bool>&)>();
+  return op.call(grad_out, grad_weights, sources, query, norm_weight, rstd,
+                 weights, scale, output_mask);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
 depth_attention_bwd(const at::Tensor& grad_out, at::TensorList sources,
                     const at::Tensor& query,
                     const std::optional<at::Tensor>& norm_weight,
                     const at::Tensor& rstd, const at::Tensor& weights,
                     double scale) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attnres::depth_attention_bwd", "")
-          .typed<std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>(
-              const at::Tensor&, at::TensorList, const at::Tensor&,
-              const std::optional<at::Tensor>&, const at::Tensor&,
-              const at::Tensor&, double)>();
-  return op.call(grad_out, sources, query, norm_weight, rstd, weights, scale);
+  c10::List<bool> every_gradient;
+  for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
+  return depth_attention_bwd(grad_out, std::nullopt, sources, query,
+                             norm_weight, rstd, weights, scale, every_gradient);
+}
+
+at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,
+                           const std::optional<at::Tensor>& norm_weight,
+                           double eps, double scale) {
+  return std::get<0>(depth_attention_fwd(sources, query, norm_weight, eps, scale));
+}
+
+std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
+  auto [h, rstd, weights] =
+      depth_attention_fwd(sources, query, norm_weight, eps, scale);
+  return {h, weights};
 }
 
 }  // namespace attnres

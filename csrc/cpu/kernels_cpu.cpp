@@ -155,8 +155,10 @@ void row_scale_store(scalar_t* out, const acc_t* acc, acc_t factor,
   for (; j < D; ++j) out[j] = static_cast<scalar_t>(acc[j] * factor);
 }
 
-// dv = a*dh + alpha*u + beta*v (written as scalar_t) and z += alpha*v.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+// dv = a*dh + alpha*u + beta*v (written as scalar_t, when kWriteGrad) and
+// z += alpha*v (when kAccumulateZ): the gradients that were asked for.
+template <bool kWriteGrad, bool kAccumulateZ, typename scalar_t,
+          typename acc_t = at::opmath_type<scalar_t>>
 void row_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* dh,
                      const acc_t* u, const math::SourceGrad<acc_t>& g,
                      acc_t* z, int64_t D) {
@@ -169,17 +171,37 @@ void row_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* dh,
     L::load(v + j, vv);
     for (int k = 0; k < L::kParts; ++k) {
       const int64_t o = j + k * AVec::size();
-      out[k] = math::source_grad(a, AVec::loadu(dh + o), alpha,
-                                 AVec::loadu(u + o), beta, vv[k]);
-      at::vec::fmadd(alpha, vv[k], AVec::loadu(z + o)).store(z + o);
+      if constexpr (kWriteGrad) {
+        out[k] = math::source_grad(a, AVec::loadu(dh + o), alpha,
+                                   AVec::loadu(u + o), beta, vv[k]);
+      }
+      if constexpr (kAccumulateZ) {
+        at::vec::fmadd(alpha, vv[k], AVec::loadu(z + o)).store(z + o);
+      }
     }
-    L::store(dv + j, out);
+    if constexpr (kWriteGrad) L::store(dv + j, out);
   }
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
-    dv[j] = static_cast<scalar_t>(
-        math::source_grad(g.a, dh[j], g.alpha, u[j], g.beta, vj));
-    z[j] += g.alpha * vj;
+    if constexpr (kWriteGrad) {
+      dv[j] = static_cast<scalar_t>(
+          math::source_grad(g.a, dh[j], g.alpha, u[j], g.beta, vj));
+    }
+    if constexpr (kAccumulateZ) z[j] += g.alpha * vj;
+  }
+}
+
+// The pass-2 sweep of one source row for what is wanted of it.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_wanted_grads(scalar_t* dv, const scalar_t* v, const acc_t* dh,
+                      const acc_t* u, const math::SourceGrad<acc_t>& g,
+                      acc_t* z, int64_t D) {
+  if (dv && z) {
+    row_source_grad<true, true>(dv, v, dh, u, g, z, D);
+  } else if (dv) {
+    row_source_grad<true, false>(dv, v, dh, u, g, z, D);
+  } else if (z) {
+    row_source_grad<false, true>(dv, v, dh, u, g, z, D);
   }
 }
 
@@ -292,31 +314,40 @@ int64_t parameter_grad_chunks(int64_t T, int64_t D, int64_t acc_size) {
 }
 
 template <typename scalar_t>
-void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
-                   const at::Tensor& u_t, const at::Tensor& rstd,
-                   const at::Tensor& weights, std::vector<at::Tensor>& grads,
-                   at::Tensor& z_t, const DepthProblem& p) {
+void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   using acc_t = at::opmath_type<scalar_t>;
+  const DepthProblem& p = call.problem;
   const int64_t N = p.N, D = p.D, T = p.T;
-  const acc_t* u = u_t.const_data_ptr<acc_t>();
-  const acc_t* rstd_p = rstd.const_data_ptr<acc_t>();
-  const acc_t* w_p = weights.const_data_ptr<acc_t>();
-  Rows dh_rows = as_rows(grad_out);
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
+  // The weights' own gradient enters as dp_i += grad_weights_i
+  // (docs/design.md §2).
+  const acc_t* gw_p = call.grad_weights.defined()
+                          ? call.grad_weights.const_data_ptr<acc_t>()
+                          : nullptr;
+  Rows dh_rows = as_rows(call.grad_out);
   const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
-  std::vector<scalar_t*> dv_p(N);
-  for (int64_t i = 0; i < N; ++i) dv_p[i] = grads[i].data_ptr<scalar_t>();
+  std::vector<scalar_t*> dv_p(N, nullptr);  // null: gradient not wanted
+  for (int64_t i = 0; i < N; ++i) {
+    if (call.grad_sources[i].defined()) {
+      dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
+    }
+  }
+  const bool want_z = call.z.defined();
 
   const int64_t max_chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
   const int64_t chunk = (T + max_chunks - 1) / max_chunks;
   const int64_t n_chunks = (T + chunk - 1) / chunk;
   const int64_t tile = backward_tile<scalar_t>(N, D);
-  std::vector<acc_t> partial(static_cast<size_t>(n_chunks * D), acc_t(0));
+  std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
+                             acc_t(0));
 
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
     std::vector<acc_t> dp(N * tile), sc(N * tile), sum_a_dp(tile);
     for (int64_t c = c_begin; c < c_end; ++c) {
-      acc_t* z = partial.data() + c * D;
+      acc_t* z = want_z ? partial.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
       for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
@@ -324,35 +355,39 @@ void backward_impl(const at::Tensor& grad_out, const SourceRows<scalar_t>& src,
           row_load(dh.data() + k * D, dh_p + (t0 + k) * dh_rows.row_stride, D);
           sum_a_dp[k] = 0;
         }
-        // Pass 1: dp_i = <dh, v_i>, s_i = r_i <u, v_i>.
+        // Pass 1: dp_i = <dh, v_i> (+ grad_weights_i), s_i = r_i <u, v_i>.
         for (int64_t i = 0; i < N; ++i) {
           for (int64_t k = 0; k < n_tok; ++k) {
             const int64_t t = t0 + k;
             acc_t dot_dh, dot_u;
             row_two_dots<false>(src.row(i, t), dh.data() + k * D, u, D,
                                 dot_dh, dot_u);
+            if (gw_p) dot_dh += gw_p[i * T + t];
             dp[i * tile + k] = dot_dh;
             sc[i * tile + k] = math::score(rstd_p[i * T + t], dot_u);
             sum_a_dp[k] += w_p[i * T + t] * dot_dh;
           }
         }
-        // Pass 2: every source gradient, written once (rows re-read from L2).
+        // Pass 2: the wanted source gradients, each written once (rows
+        // re-read from L2), and z.
         for (int64_t i = 0; i < N; ++i) {
+          if (!dv_p[i] && !want_z) continue;
           for (int64_t k = 0; k < n_tok; ++k) {
             const int64_t t = t0 + k;
             const auto g = math::source_grad_coefficients(
                 w_p[i * T + t], rstd_p[i * T + t], sc[i * tile + k],
                 dp[i * tile + k], sum_a_dp[k], D);
-            row_source_grad(dv_p[i] + t * D, src.row(i, t), dh.data() + k * D,
-                            u, g, z, D);
+            row_wanted_grads(dv_p[i] ? dv_p[i] + t * D : nullptr, src.row(i, t),
+                             dh.data() + k * D, u, g, z, D);
           }
         }
       }
     }
   });
+  if (!want_z) return;
 
   // Second pass of the parameter gradient: chunks summed in a fixed order.
-  acc_t* z = z_t.data_ptr<acc_t>();
+  acc_t* z = call.z.data_ptr<acc_t>();
   at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
     for (int64_t d = d0; d < d1; ++d) {
       acc_t sum = 0;
@@ -377,8 +412,7 @@ void backward(const BackwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
-        backward_impl<scalar_t>(call.grad_out, src, call.u, call.rstd, call.weights,
-                                call.grad_sources, call.z, call.problem);
+        backward_impl<scalar_t>(call, src);
       });
 }
 

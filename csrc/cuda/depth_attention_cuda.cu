@@ -63,7 +63,7 @@ struct DeviceSources {
     for (size_t i = 0; i < sources.size(); ++i) {
       Rows r = as_rows(sources[i]);
       entries[i] = {r.tensor.const_data_ptr(), r.row_stride,
-                    grads ? (*grads)[i].data_ptr() : nullptr};
+                    grads && (*grads)[i].defined() ? (*grads)[i].data_ptr() : nullptr};
       keep.push_back(std::move(r.tensor));
     }
     layout = layout_sources(entries, T, natural, elem_size);
@@ -127,12 +127,18 @@ void backward(const BackwardCall& call) {
         auto launch = backward_launch<scalar_t>(
             plan, src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), grad_out,
             dh.row_stride, call.rstd.const_data_ptr<acc_t>(), call.weights.const_data_ptr<acc_t>(),
+            call.grad_weights.defined() ? call.grad_weights.const_data_ptr<acc_t>() : nullptr,
             p.T, p.N, p.D, static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount);
-        at::Tensor partial = at::empty({launch.config.grid, p.D}, call.z.options());
-        launch.params.z_partial = partial.data_ptr<acc_t>();
+        at::Tensor partial;
+        if (call.z.defined()) {
+          partial = at::empty({launch.config.grid, p.D}, call.z.options());
+          launch.params.z_partial = partial.data_ptr<acc_t>();
+        }
         launch_backward<scalar_t>(launch.params, launch.config, stream);
-        launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), launch.config.grid,
-                                       static_cast<int>(p.D), call.z.data_ptr<acc_t>(), stream);
+        if (call.z.defined()) {
+          launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), launch.config.grid,
+                                         static_cast<int>(p.D), call.z.data_ptr<acc_t>(), stream);
+        }
       });
 }
 

@@ -108,19 +108,21 @@ BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* gra
 
 // Backward: the grid is at most grid_cap CTAs (the resident CTAs on a GPU,
 // so each CTA keeps its query-gradient partial in registers across its
-// tokens). params.z_partial ([config.grid, D]) is left for the caller to set.
+// tokens). params.z_partial ([config.grid, D]) is left for the caller to set
+// (or to leave null when no query/gain gradient is wanted).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 KernelLaunch<BackwardParams<scalar_t>> backward_launch(
     const BackwardPlan& plan, const SourceTableLayout& sources,
     const SourceEntry* overflow_on_device, const acc_t* u, const scalar_t* grad_out,
-    int64_t grad_out_stride, const acc_t* rstd, const acc_t* weights, int64_t T, int64_t N,
-    int64_t D, int64_t grid_cap) {
+    int64_t grad_out_stride, const acc_t* rstd, const acc_t* weights, const acc_t* grad_weights,
+    int64_t T, int64_t N, int64_t D, int64_t grid_cap) {
   KernelLaunch<BackwardParams<scalar_t>> launch{};
   fill_common(launch.params, sources, overflow_on_device, u, T, N, D, plan.tile);
   launch.params.grad_out = grad_out;
   launch.params.grad_out_stride = grad_out_stride;
   launch.params.rstd = rstd;
   launch.params.weights = weights;
+  launch.params.grad_weights = grad_weights;
   launch.params.z_partial = nullptr;
   launch.params.stage = plan.stage;
   launch.config.tile = plan.tile;

@@ -147,13 +147,21 @@ __device__ __forceinline__ const scalar_t* source_row(
   return static_cast<const scalar_t*>(base) + t * stride;
 }
 
+// Row t of source i's gradient, or null when that gradient is not wanted.
 template <typename scalar_t>
 __device__ __forceinline__ scalar_t* grad_row(const SourceTable& table,
                                               const SourceEntry* overflow,
                                               int i, int64_t t, int D) {
   void* base = i < kTableCapacity ? table.first[i].grad
                                   : overflow[i - kTableCapacity].grad;
-  return static_cast<scalar_t*>(base) + t * static_cast<int64_t>(D);
+  return base ? static_cast<scalar_t*>(base) + t * static_cast<int64_t>(D) : nullptr;
+}
+
+// The gradient reaching weight idx = i * T + t directly (a loss on the
+// returned weights); it adds to dp_i (docs/design.md §2).
+template <typename Params>
+__device__ __forceinline__ typename Params::acc_t weight_grad(const Params& p, int64_t idx) {
+  return p.grad_weights ? p.grad_weights[idx] : typename Params::acc_t(0);
 }
 
 // Rows i0 .. i0+SU-1 of token t (zeros past N and past D) from global memory.
@@ -520,7 +528,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
         if (i0 + j < pos.N) {
-          sum_a_dp[0] += p.weights[static_cast<int64_t>(i0 + j) * pos.T + t] * dots[2 * j];
+          // dots are this lane's partials (the all-reduce below sums the
+          // lanes): the weight gradient joins on lane 0 only.
+          const int64_t idx = static_cast<int64_t>(i0 + j) * pos.T + t;
+          const acc_t dp = dots[2 * j] + (pos.lane == 0 ? weight_grad(p, idx) : acc_t(0));
+          sum_a_dp[0] += p.weights[idx] * dp;
         }
       }
     }
@@ -551,7 +563,8 @@ __global__ void __launch_bounds__(kMaxThreads)
           const acc_t r = p.rstd[idx];
           const acc_t s = math::score(r, sums[2 * j + 1]);
           const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
-              a, r, s, sums[2 * j], sum_a_dp[0], static_cast<int64_t>(pos.D));
+              a, r, s, sums[2 * j] + weight_grad(p, idx), sum_a_dp[0],
+              static_cast<int64_t>(pos.D));
           scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, pos.D);
 #pragma unroll
           for (int k = 0; k < VPT; ++k) {
@@ -567,7 +580,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                     g.beta, v));
                 z[k][e] += g.alpha * v;
               }
-              store_global<scalar_t, VEC>(out_row + c, o);
+              if (out_row) store_global<scalar_t, VEC>(out_row + c, o);
             }
           }
         }
@@ -576,6 +589,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // This CTA's partial of z: the groups' registers summed in group order.
+  if (p.z_partial == nullptr) return;  // no query/gain gradient wanted
   acc_t* z_row = p.z_partial + static_cast<int64_t>(blockIdx.x) * pos.D;
   if (p.tokens_per_cta == 1) {
 #pragma unroll

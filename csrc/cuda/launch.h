@@ -27,7 +27,8 @@ constexpr int kMaxReduce = 8;
 struct SourceEntry {
   const void* src;     // row 0 of the source
   int64_t row_stride;  // elements between rows (tokens)
-  void* grad;          // backward only: contiguous gradient [T, D]
+  void* grad;          // backward only: contiguous gradient [T, D], or null
+                       // when this source's gradient is not wanted
 };
 
 struct SourceTable {
@@ -60,9 +61,11 @@ struct BackwardParams {
   const acc_t* u;
   const scalar_t* grad_out;
   int64_t grad_out_stride;
-  const acc_t* rstd;     // [N, T]
-  const acc_t* weights;  // [N, T]
-  acc_t* z_partial;      // [gridDim.x, D]: one row of sum(alpha_i v_i) per CTA
+  const acc_t* rstd;          // [N, T]
+  const acc_t* weights;       // [N, T]
+  const acc_t* grad_weights;  // [N, T], or null: the weights had no gradient
+  acc_t* z_partial;  // [gridDim.x, D]: one row of sum(alpha_i v_i) per CTA;
+                     // null when no query/gain gradient is wanted
   int64_t T;
   int64_t token_blocks;
   int N;

@@ -90,41 +90,58 @@ def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
     return out, rstd, weights
 
 
+def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rstd, weights,
+                        scale, output_mask) -> None:
+    """Same checks and words as csrc/arguments.cpp's check_backward_args."""
+    check_args(sources, query, norm_weight, 0.0, scale)
+    src0 = sources[0]
+    if grad_out is not None:
+        if grad_out.shape != src0.shape:
+            raise ValueError(
+                f"grad_out must have the sources' shape {list(src0.shape)}, got {list(grad_out.shape)}"
+            )
+        if grad_out.dtype != src0.dtype:
+            raise TypeError(f"grad_out must have the sources' dtype {src0.dtype}, got {grad_out.dtype}")
+        if grad_out.device != src0.device:
+            raise ValueError("grad_out must be on the sources' device")
+    stat_shape = [len(sources), *src0.shape[:-1]]
+    acc = _acc_dtype(src0.dtype)
+    for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
+        if t is None and name == "grad_weights":
+            continue
+        if list(t.shape) != stat_shape:
+            raise ValueError(f"{name} must have shape [N, ...] = {stat_shape}, got {list(t.shape)}")
+        if t.dtype != acc:
+            raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
+        if t.device != src0.device:
+            raise ValueError(f"{name} must be on the sources' device")
+    if len(output_mask) != len(sources) + 2:
+        raise ValueError(
+            f"output_mask must have N + 2 = {len(sources) + 2} entries (each source, query, "
+            f"norm_weight), got {len(output_mask)}"
+        )
+
+
 @torch.library.register_fake("attnres::depth_attention_bwd")
-def _depth_attention_bwd_fake(grad_out, sources, query, norm_weight, rstd, weights, scale):
-    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sources]
+def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, rstd, weights,
+                              scale, output_mask):
+    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rstd, weights, scale,
+                        output_mask)
+    n = len(sources)
+    # The wanted source gradients only, in source order.
+    grads = [
+        torch.empty(s.shape, dtype=s.dtype, device=s.device)
+        for i, s in enumerate(sources)
+        if output_mask[i]
+    ]
     gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
-    return grads, torch.empty_like(query), query.new_empty(query.shape, dtype=gain_dtype)
+    grad_query = torch.empty_like(query) if output_mask[n] else None
+    grad_gain = query.new_empty(query.shape, dtype=gain_dtype) if output_mask[n + 1] else None
+    return grads, grad_query, grad_gain
 
 
-def _setup_context(ctx, inputs, output):
-    sources, query, norm_weight, eps, scale = inputs
-    _, rstd, weights = output
-    ctx.n_sources = len(sources)
-    ctx.has_gain = norm_weight is not None
-    ctx.scale = scale
-    saved = [*sources, query, rstd, weights]
-    if norm_weight is not None:
-        saved.append(norm_weight)
-    ctx.save_for_backward(*saved)
-    ctx.mark_non_differentiable(rstd, weights)
-
-
-def _backward(ctx, grad_out, _grad_rstd, _grad_weights):
-    saved = ctx.saved_tensors
-    n = ctx.n_sources
-    sources = list(saved[:n])
-    query, rstd, weights = saved[n : n + 3]
-    norm_weight = saved[n + 3] if ctx.has_gain else None
-    grad_sources, grad_query, grad_gain = torch.ops.attnres.depth_attention_bwd(
-        grad_out, sources, query, norm_weight, rstd, weights, ctx.scale
-    )
-    return list(grad_sources), grad_query, (grad_gain if ctx.has_gain else None), None, None
-
-
-torch.library.register_autograd(
-    "attnres::depth_attention_fwd", _backward, setup_context=_setup_context
-)
+# Autograd of both ops is registered in C++ (csrc/autograd.cpp), so C++
+# callers get gradients too.
 
 
 def _as_float(value, name: str) -> float:
@@ -148,7 +165,9 @@ def depth_attention(
     device; never copied into a stack), or one tensor [N, ..., D].
     query: [D]; norm_weight: [D] or None (no gain). With bf16/fp16 sources the
     query and gain may be fp32. Returns h [..., D] in the sources' dtype, and
-    with ``return_weights`` also the softmax weights [N, ...] as float32.
+    with ``return_weights`` also the softmax weights [N, ...] as float32
+    (differentiable: a loss on them reaches the sources, query and gain
+    through the same fused backward).
     """
     if isinstance(sources, torch.Tensor):
         if sources.dim() < 2:

@@ -359,11 +359,16 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   auto bwd = c10::Dispatcher::singleton()
                  .findSchemaOrThrow("attnres::depth_attention_bwd", "")
                  .typed<std::tuple<Tensors, at::Tensor, at::Tensor>(
-                     const at::Tensor&, at::TensorList, const at::Tensor&,
-                     const std::optional<at::Tensor>&, const at::Tensor&,
-                     const at::Tensor&, double)>();
+                     const std::optional<at::Tensor>&,
+                     const std::optional<at::Tensor>&, at::TensorList,
+                     const at::Tensor&, const std::optional<at::Tensor>&,
+                     const at::Tensor&, const at::Tensor&, double,
+                     const c10::List<bool>&)>();
+  c10::List<bool> every_gradient;
+  for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
   const auto [gs_typed, gq_typed, gg_typed] =
-      bwd.call(grad_out, sources, query, gain, rstd, weights, kScale);
+      bwd.call(grad_out, std::nullopt, sources, query, gain, rstd, weights,
+               kScale, every_gradient);
   const auto [gs, gq, gg] = attnres::depth_attention_bwd(
       grad_out, sources, query, gain, rstd, weights, kScale);
   ASSERT_EQ(gs_typed.size(), sources.size());

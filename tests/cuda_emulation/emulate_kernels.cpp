@@ -74,6 +74,8 @@ struct Case {
   int extra_stride;  // row stride = D + extra_stride
   bool misaligned;   // sources start one element past an aligned address
   int64_t grid_cap;  // fewer CTAs than token blocks: exercises the token loop
+  bool weight_grads = false;  // a gradient reaches the weights too
+  bool partial = false;       // source 0's and the query/gain gradients not wanted
 };
 
 double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
@@ -112,9 +114,16 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   std::vector<scalar_t> dh(T * D);
   for (auto& x : dh) x = static_cast<scalar_t>(normal(rng));
 
-  std::vector<std::vector<scalar_t>> grads(N, std::vector<scalar_t>(T * D));
+  std::vector<acc_t> grad_w(c.weight_grads ? N * T : 0);
+  for (auto& x : grad_w) x = static_cast<acc_t>(normal(rng));
+
+  // Gradient buffers start as NaN: a gradient not wanted must stay unwritten.
+  std::vector<std::vector<scalar_t>> grads(N, std::vector<scalar_t>(T * D, static_cast<scalar_t>(NAN)));
   std::vector<SourceEntry> entries(N);
-  for (int i = 0; i < N; ++i) entries[i] = {src[i].data() + offset, stride, grads[i].data()};
+  for (int i = 0; i < N; ++i) {
+    const bool wanted = !(c.partial && i == 0);
+    entries[i] = {src[i].data() + offset, stride, wanted ? grads[i].data() : nullptr};
+  }
   // The host set-up of csrc/cuda/depth_attention_cuda.cu; overflow entries
   // stay in host memory, which the emulated kernels read directly.
   const SourceTableLayout layout = layout_sources(entries, T, natural, sizeof(scalar_t));
@@ -137,19 +146,22 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   // memory per block).
   const BackwardPlan plan = backward_plan<scalar_t>(layout, dh.data(), D, T, N, D, 227 * 1024);
   auto bwd = backward_launch<scalar_t>(plan, layout, layout.overflow.data(), u.data(), dh.data(),
-                                       D, rstd.data(), weights.data(), T, N, D, c.grid_cap);
+                                       D, rstd.data(), weights.data(),
+                                       c.weight_grads ? grad_w.data() : nullptr, T, N, D, c.grid_cap);
   const TileConfig& btile = bwd.config.tile;
   const int64_t bgrid = bwd.config.grid;
   std::vector<acc_t> partial(bgrid * D, static_cast<acc_t>(NAN));
-  bwd.params.z_partial = partial.data();
+  bwd.params.z_partial = c.partial ? nullptr : partial.data();
   with_tile<scalar_t>(btile.vec, btile.vpt, [&](auto vec, auto vpt) {
     constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
     emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
                 bwd.config.smem_bytes, [&] { depth_attention_bwd_kernel<scalar_t, VEC, VPT>(bwd.params); });
   });
   std::vector<acc_t> z_acc(D, static_cast<acc_t>(NAN));
-  emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
-              [&] { sum_partial_rows_kernel<acc_t>(partial.data(), bgrid, D, z_acc.data()); });
+  if (!c.partial) {
+    emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
+                [&] { sum_partial_rows_kernel<acc_t>(partial.data(), bgrid, D, z_acc.data()); });
+  }
   std::vector<double> z(z_acc.begin(), z_acc.end());
 
   // Float64 evaluation of docs/design.md §1-§2, token by token.
@@ -168,7 +180,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       }
       r[i] = 1 / std::sqrt(ss / D + eps);
       s[i] = r[i] * uv;
-      dp[i] = dv;
+      dp[i] = dv + (c.weight_grads ? double(grad_w[i * T + t]) : 0.0);
       m = std::max(m, s[i]);
     }
     double l = 0;
@@ -210,11 +222,19 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       {"out", rel_err(as_double(out), ref_out), tol.output},
       {"rstd", rel_err(as_double(rstd), ref_rstd), tol.stats},
       {"weights", rel_err(as_double(weights), ref_w), tol.stats},
-      {"z", rel_err(z, ref_z), tol.grad},
   };
+  if (!c.partial) checks.push_back({"z", rel_err(z, ref_z), tol.grad});
   double worst_grad = 0;
-  for (int i = 0; i < N; ++i) worst_grad = std::max(worst_grad, rel_err(as_double(grads[i]), ref_grads[i]));
+  for (int i = c.partial ? 1 : 0; i < N; ++i) {
+    worst_grad = std::max(worst_grad, rel_err(as_double(grads[i]), ref_grads[i]));
+  }
   checks.push_back({"grads", worst_grad, tol.grad});
+  if (c.partial) {
+    // The unwanted gradient buffer must be untouched (still all NaN).
+    bool untouched = true;
+    for (const auto& x : grads[0]) untouched = untouched && std::isnan(static_cast<double>(x));
+    checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
+  }
 
   bool ok = true;
   std::string detail;
@@ -226,11 +246,12 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     detail += buf;
   }
   std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
-              "bwd[vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s\n",
+              "bwd[vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
               c.misaligned ? " misaligned" : "", ftile.vec, ftile.vpt, ftile.group,
               ftile.tokens_per_cta, fgrid, btile.vec, btile.vpt, btile.group,
-              btile.tokens_per_cta, long(bgrid), int(plan.stage), detail.c_str());
+              btile.tokens_per_cta, long(bgrid), int(plan.stage),
+              c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
   std::fflush(stdout);
   return ok;
 }
@@ -263,13 +284,17 @@ int main(int argc, char** argv) {
                 {3, 4, 100, 1, false, 2},        // odd row stride: scalar path
                 {3, 4, 64, 64, false, 2},        // strided rows, 16-byte path
                 {3, 4, 64, 0, true, 2},          // misaligned start
-                {130, 3, 8, 0, false, 2}});      // two overflow chunks
+                {130, 3, 8, 0, false, 2},        // two overflow chunks
+                {7, 9, 64, 0, false, 2, true, false},   // gradient of the weights too
+                {3, 4, 2052, 0, false, 2, true, true},  // block mode, partial gradients
+                {70, 3, 16, 0, false, 2, false, true}});  // overflow, partial
   run(c10::BFloat16{}, {{9, 20, 1000, 0, false, 2},  // staged, 3 tokens per CTA
                         {9, 20, 1024, 0, false, 3},
                         {65, 3, 1000, 0, false, 2}, // not staged
                         {3, 5, 7186, 0, false, 2},  // scalar path, block mode
                         {2, 4, 4096, 0, false, 3},
-                        {17, 7, 2048, 0, false, 2}});
+                        {17, 7, 2048, 0, false, 2},
+                        {9, 20, 1024, 0, false, 3, true, true}});  // staged, partial
   run(c10::Half{}, {{17, 6, 64, 0, false, 1},       // 8 lanes per token, staged
                     {4, 300, 24, 0, false, 2},
                     {2, 3, 16384, 0, false, 2}});

@@ -7,6 +7,7 @@ import torch
 import attnres
 from attnres import reference
 from helpers import (
+    backward_op,
     CUDA_SKIP_REASON,
     REL_TOL,
     STAT_REL_TOL,
@@ -89,10 +90,10 @@ def test_cpu_and_cuda_agree(N, lead, D, dtype):
     ):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_rel_close(b, a, tol, name)
-    bwd_cpu = torch.ops.attnres.depth_attention_bwd(
+    bwd_cpu = backward_op(
         grad_out, sources, query, norm_weight, fwd_cpu[1], fwd_cpu[2], scale
     )
-    bwd_gpu = torch.ops.attnres.depth_attention_bwd(
+    bwd_gpu = backward_op(
         grad_out.cuda(), cuda_args(sources), query.cuda(), norm_weight.cuda(),
         fwd_gpu[1], fwd_gpu[2], scale,
     )
@@ -130,7 +131,7 @@ def test_opcheck(dtype, gain):
     _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
     torch.library.opcheck(
         torch.ops.attnres.depth_attention_bwd.default,
-        (grad_out, sources, query, norm_weight, rstd, weights, 0.9),
+        (grad_out, None, sources, query, norm_weight, rstd, weights, 0.9, [True] * (len(sources) + 2)),
     )
 
 
@@ -162,7 +163,7 @@ def test_cuda_graph_capture_and_replay():
 
     def step():
         out, rstd, weights = torch.ops.attnres.depth_attention_fwd(static_src, static_q, static_w, eps, scale)
-        grads, gq, gw = torch.ops.attnres.depth_attention_bwd(
+        grads, gq, gw = backward_op(
             static_dh, static_src, static_q, static_w, rstd, weights, scale
         )
         return [out, rstd, weights, *grads, gq, gw]
@@ -205,7 +206,7 @@ def test_more_than_2_31_elements():
     norm_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
     grad_out = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     out, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
-    grads, _, _ = torch.ops.attnres.depth_attention_bwd(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+    grads, _, _ = backward_op(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
     for rows in (slice(0, 4), slice(T - 4, T)):
         sub = [s[rows] for s in sources]
         rh, _, rgs, _, _ = reference_fwd_bwd(sub, query, norm_weight, grad_out[rows], eps=1e-6, scale=1.0)
@@ -224,7 +225,7 @@ def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
     _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
     runs = [
-        torch.ops.attnres.depth_attention_bwd(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+        backward_op(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
         for _ in range(2)
     ]
     (g1, q1, w1), (g2, q2, w2) = runs

@@ -9,6 +9,7 @@ from torch.library import opcheck
 import attnres
 from attnres import reference
 from helpers import (
+    backward_op,
     DEVICES,
     GRAD_REL_TOL,
     REL_TOL,
@@ -153,7 +154,13 @@ def test_opcheck_backward(device, dtype, with_gain):
     g = g.detach() if g is not None else None
     _, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.5)
     dh = torch.randn_like(srcs[0])
-    opcheck(torch.ops.attnres.depth_attention_bwd.default, (dh, srcs, q, g, rstd, w, 0.5))
+    n = len(srcs)
+    bwd = torch.ops.attnres.depth_attention_bwd.default
+    opcheck(bwd, (dh, None, srcs, q, g, rstd, w, 0.5, [True] * (n + 2)))
+    # With a gradient of the weights, and only some gradients wanted.
+    gw = torch.randn_like(w)
+    opcheck(bwd, (dh, gw, srcs, q, g, rstd, w, 0.5, [False, True] + [True] * (n - 2) + [True, False]))
+    opcheck(bwd, (None, gw, srcs, q, g, rstd, w, 0.5, [True] * n + [False, False]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -299,7 +306,7 @@ def test_parameter_grads_bitwise_deterministic_across_threads(device):
     try:
         for threads in (1, 2, max(2, before), 1):
             torch.set_num_threads(threads)
-            results.append(torch.ops.attnres.depth_attention_bwd(dh, srcs, q, g, rstd, w, 1.0))
+            results.append(backward_op(dh, srcs, q, g, rstd, w, 1.0))
     finally:
         torch.set_num_threads(before)
     first = results[0]

@@ -4,6 +4,7 @@
 // kernels in python/attnres/ops.py raise the same words while tracing.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
@@ -27,12 +28,14 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
                                 const std::optional<at::Tensor>& norm_weight,
                                 double eps, double scale);
 
-DepthProblem check_backward_args(const at::Tensor& grad_out,
+DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
+                                 const std::optional<at::Tensor>& grad_weights,
                                  at::TensorList sources,
                                  const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
                                  const at::Tensor& rstd,
-                                 const at::Tensor& weights, double scale);
+                                 const at::Tensor& weights, double scale,
+                                 const c10::List<bool>& output_mask);
 
 // Accumulation dtype for a source dtype: fp64 for fp64, fp32 otherwise.
 at::ScalarType acc_dtype_for(at::ScalarType source_dtype);

@@ -6,6 +6,7 @@
 // cuda/depth_attention_cuda.cu.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <torch/library.h>
@@ -31,12 +32,18 @@ struct ForwardCall {
   at::Tensor& weights;
 };
 
-// What a device's backward kernel gets: one contiguous gradient per source
-// to fill, and z [D] (accumulation dtype) to set to the sum over tokens and
-// sources of alpha_i v_i (docs/design.md §2). Never called with T == 0.
+// What a device's backward kernel gets. grad_out is always defined (zeros
+// when h had no gradient); grad_weights [N, ...] (accumulation dtype,
+// contiguous) is undefined when the weights had none. grad_sources holds
+// one contiguous tensor to fill per source whose gradient is wanted and an
+// undefined one otherwise; z [D] (accumulation dtype) is to be set to the
+// sum over tokens and sources of alpha_i v_i (docs/design.md §2), or is
+// undefined when neither the query nor the gain gradient is wanted. Never
+// called with T == 0.
 struct BackwardCall {
   const DepthProblem& problem;
   const at::Tensor& grad_out;
+  const at::Tensor& grad_weights;
   at::TensorList sources;
   const at::Tensor& u;
   const at::Tensor& rstd;     // contiguous
@@ -62,11 +69,12 @@ ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
                           double eps, double scale);
 
 BackwardResult run_backward(const DeviceKernels& kernels,
-                            const at::Tensor& grad_out, at::TensorList sources,
-                            const at::Tensor& query,
+                            const std::optional<at::Tensor>& grad_out,
+                            const std::optional<at::Tensor>& grad_weights,
+                            at::TensorList sources, const at::Tensor& query,
                             const std::optional<at::Tensor>& norm_weight,
                             const at::Tensor& rstd, const at::Tensor& weights,
-                            double scale);
+                            double scale, const c10::List<bool>& output_mask);
 
 // Registers a device's kernels for both ops under its dispatch key:
 //   TORCH_LIBRARY_IMPL(attnres, CPU, m) { register_device_kernels<kCpu>(m); }
@@ -79,12 +87,14 @@ void register_device_kernels(torch::Library& m) {
            return run_forward(kernels, sources, query, norm_weight, eps, scale);
          });
   m.impl("depth_attention_bwd",
-         [](const at::Tensor& grad_out, at::TensorList sources,
-            const at::Tensor& query,
+         [](const std::optional<at::Tensor>& grad_out,
+            const std::optional<at::Tensor>& grad_weights,
+            at::TensorList sources, const at::Tensor& query,
             const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& rstd, const at::Tensor& weights, double scale) {
-           return run_backward(kernels, grad_out, sources, query, norm_weight,
-                               rstd, weights, scale);
+            const at::Tensor& rstd, const at::Tensor& weights, double scale,
+            const c10::List<bool>& output_mask) {
+           return run_backward(kernels, grad_out, grad_weights, sources, query,
+                               norm_weight, rstd, weights, scale, output_mask);
          });
 }
 

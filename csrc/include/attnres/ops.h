@@ -1,11 +1,13 @@
 // C++ API of attnres: the same torch ops Python uses, called through the
-// dispatcher (so CPU and CUDA tensors both work). Link against the attnres
-// op library (CMake target `attnres_ops`) or load the Python extension.
+// dispatcher (so CPU and CUDA tensors both work, and autograd — registered
+// in C++ — records them). Link the op library: CMake target
+// `attnres::attnres` (find_package(attnres)).
 //
-//   auto [h, rstd, weights] = attnres::depth_attention_fwd(sources, query,
-//                                                          gain, 1e-6, 1.0);
+//   at::Tensor h = attnres::depth_attention(sources, query, gain);
+//   h.sum().backward();  // gradients reach sources, query and gain
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
@@ -15,15 +17,42 @@
 
 namespace attnres {
 
-// h [..., D] in the sources' dtype; rstd and weights [N, ...] in the
-// accumulation dtype (fp32, or fp64 for fp64 sources).
+// h = sum_i softmax_i(scale * <query, RMSNorm(v_i) * norm_weight>) v_i over
+// the N sources (docs/design.md §1), differentiable with respect to the
+// sources, the query and the gain. h has the sources' shape and dtype.
+at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,
+                           const std::optional<at::Tensor>& norm_weight = std::nullopt,
+                           double eps = 1e-6, double scale = 1.0);
+
+// h and the softmax weights [N, ...] (accumulation dtype: fp32, or fp64 for
+// fp64 sources); both are differentiable.
+std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight = std::nullopt,
+    double eps = 1e-6, double scale = 1.0);
+
+// The raw ops. Forward: h [..., D] in the sources' dtype; rstd and weights
+// [N, ...] in the accumulation dtype (rstd is not differentiable).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
     at::TensorList sources, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double eps, double scale);
 
-// Gradients of every source, the query and the gain (the gain gradient is
-// returned even when norm_weight is None: it is then the gradient of an
-// implicit all-ones gain).
+// Backward from the gradients of h and of the weights (either may be
+// absent). output_mask: N + 2 flags (each source, query, norm_weight); a
+// gradient not asked for is not computed. The first result holds the wanted
+// source gradients only, in source order; an unwanted query or gain
+// gradient is undefined. The gain gradient can be asked for even when
+// norm_weight is absent: it is then the gradient of an implicit all-ones
+// gain.
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
+depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
+                    const std::optional<at::Tensor>& grad_weights,
+                    at::TensorList sources, const at::Tensor& query,
+                    const std::optional<at::Tensor>& norm_weight,
+                    const at::Tensor& rstd, const at::Tensor& weights,
+                    double scale, const c10::List<bool>& output_mask);
+
+// Every gradient, from the gradient of h alone.
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
 depth_attention_bwd(const at::Tensor& grad_out, at::TensorList sources,
                     const at::Tensor& query,

@@ -1,0 +1,166 @@
+// Autograd of the attnres ops, in C++ (TORCH_LIBRARY_IMPL(attnres, Autograd)),
+// so Python, C++ and torch.compile share one derivative: the forward op
+// records a DepthAttentionFunction whose backward calls the fused backward
+// op with only the gradients autograd needs. The backward op records a node
+// whose own backward raises: second derivatives are not implemented, and
+// must not silently come out as zero.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attnres/ops.h"
+
+namespace attnres {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Calls an op's kernel below the Autograd key (the dispatcher's next key).
+template <typename Signature, typename... Args>
+auto call_below_autograd(const char* name, Args&&... args) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&, double, double);
+using BackwardSignature = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>(
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::TensorList,
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    double, const c10::List<bool>&);
+
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// The backward op's node: first derivatives only. Its forward returns the
+// gradients that output_mask asks for, in order (sources, query, gain), and
+// nothing for the others (autograd cannot attach history to an undefined
+// tensor); expand_masked puts them back in place.
+class DepthAttentionBackwardFunction
+    : public torch::autograd::Function<DepthAttentionBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* /*ctx*/,
+                               const std::optional<at::Tensor>& grad_out,
+                               const std::optional<at::Tensor>& grad_weights,
+                               at::TensorList sources, const at::Tensor& query,
+                               const std::optional<at::Tensor>& norm_weight,
+                               const at::Tensor& rstd, const at::Tensor& weights, double scale,
+                               const c10::List<bool>& output_mask) {
+    auto [wanted, grad_query, grad_gain] = call_below_autograd<BackwardSignature>(
+        "attnres::depth_attention_bwd", grad_out, grad_weights, sources, query, norm_weight,
+        rstd, weights, scale, output_mask);
+    const size_t n = sources.size();
+    if (output_mask.get(n)) wanted.push_back(grad_query);
+    if (output_mask.get(n + 1)) wanted.push_back(grad_gain);
+    return wanted;
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
+    TORCH_CHECK(false,
+                "attnres: second derivatives of depth_attention are not implemented "
+                "(double backward / create_graph=True through its gradient)");
+  }
+};
+
+// The N + 2 gradients (sources..., query, gain) from the wanted ones.
+variable_list expand_masked(const variable_list& wanted, const c10::List<bool>& output_mask) {
+  variable_list all(output_mask.size());
+  size_t next = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (output_mask.get(i)) all[i] = wanted[next++];
+  }
+  return all;
+}
+
+class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::TensorList sources,
+                               const at::Tensor& query,
+                               const std::optional<at::Tensor>& norm_weight, double eps,
+                               double scale) {
+    auto [out, rstd, weights] = call_below_autograd<ForwardSignature>(
+        "attnres::depth_attention_fwd", sources, query, norm_weight, eps, scale);
+    variable_list saved(sources.begin(), sources.end());
+    saved.push_back(query);
+    saved.push_back(norm_weight.value_or(at::Tensor()));
+    saved.push_back(rstd);
+    saved.push_back(weights);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["has_gain"] = norm_weight.has_value() && norm_weight->defined();
+    ctx->mark_non_differentiable({rstd});
+    // Unused outputs (the weights, usually) get no zero-filled gradient.
+    ctx->set_materialize_grads(false);
+    return {out, rstd, weights};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const size_t n = saved.size() - 4;
+    const std::vector<at::Tensor> sources(saved.begin(), saved.begin() + n);
+    const at::Tensor& query = saved[n];
+    const at::Tensor& norm_weight = saved[n + 1];
+    const at::Tensor& rstd = saved[n + 2];
+    const at::Tensor& weights = saved[n + 3];
+    const bool has_gain = ctx->saved_data["has_gain"].toBool();
+    // needs_input_grad counts the tensor inputs: sources, query, gain.
+    c10::List<bool> mask;
+    for (size_t i = 0; i < n + 1; ++i) mask.push_back(ctx->needs_input_grad(i));
+    mask.push_back(has_gain && ctx->needs_input_grad(n + 1));
+
+    variable_list result(n + 4);  // sources..., query, norm_weight, eps, scale
+    const at::Tensor& grad_out = grads[0];
+    const at::Tensor& grad_weights = grads[2];
+    if (!grad_out.defined() && !grad_weights.defined()) return result;
+    const variable_list computed = expand_masked(
+        DepthAttentionBackwardFunction::apply(defined_or_none(grad_out),
+                                              defined_or_none(grad_weights),
+                                              at::TensorList(sources), query,
+                                              defined_or_none(norm_weight), rstd, weights,
+                                              ctx->saved_data["scale"].toDouble(), mask),
+        mask);
+    for (size_t i = 0; i < n + 2; ++i) result[i] = computed[i];
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_autograd(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
+  const variable_list out = DepthAttentionFunction::apply(sources, query, norm_weight, eps, scale);
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd_autograd(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+  variable_list out = DepthAttentionBackwardFunction::apply(
+      grad_out, grad_weights, sources, query, norm_weight, rstd, weights, scale, output_mask);
+  const size_t n = sources.size();
+  at::Tensor grad_gain, grad_query;
+  if (output_mask.get(n + 1)) {
+    grad_gain = out.back();
+    out.pop_back();
+  }
+  if (output_mask.get(n)) {
+    grad_query = out.back();
+    out.pop_back();
+  }
+  return {std::vector<at::Tensor>(out.begin(), out.end()), grad_query, grad_gain};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, Autograd, m) {
+  m.impl("depth_attention_fwd", &depth_attention_fwd_autograd);
+  m.impl("depth_attention_bwd", &depth_attention_bwd_autograd);
+}
+
+}  // namespace attnres

@@ -1,0 +1,167 @@
+"""Autograd of the ops, registered in C++ (csrc/autograd.cpp): gradients of
+the depth weights, only the gradients that are needed, and a clear error for
+second derivatives."""
+import pytest
+import torch
+
+import attnres
+from attnres import reference
+from helpers import (
+    DEVICES,
+    GRAD_REL_TOL,
+    backward_op,
+    fp64_leaf,
+    make_params,
+    make_sources,
+    rel_err,
+)
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_autograd_is_registered_in_cpp_not_python():
+    """The forward's grad_fn is a C++ node, and no Python autograd kernel is
+    registered for the op (C++ callers get the same derivative)."""
+    src = [torch.randn(2, 5, requires_grad=True) for _ in range(2)]
+    h = attnres.depth_attention(src, torch.zeros(5, requires_grad=True))
+    assert type(h.grad_fn).__name__ == "CppFunction"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("attnres::depth_attention_fwd", "Autograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("attnres::depth_attention_bwd", "Autograd")
+
+
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_gradcheck_through_output_and_weights_fp64(with_gain):
+    """A loss on h and on the weights: fp64 gradcheck of the fused backward."""
+    gen = torch.Generator().manual_seed(3)
+    srcs = make_sources(4, (3,), 6, torch.float64, "cpu", gen, requires_grad=True)
+    q, g = make_params(6, torch.float64, "cpu", gen, requires_grad=True)
+    args = (*srcs, q, g) if with_gain else (*srcs, q)
+
+    def fwd(*xs):
+        gain = xs[5] if with_gain else None
+        h, _rstd, w = torch.ops.attnres.depth_attention_fwd(list(xs[:4]), xs[4], gain, 1e-6, 0.8)
+        return h, w
+
+    assert torch.autograd.gradcheck(fwd, args)
+
+    def weights_only(*xs):
+        gain = xs[5] if with_gain else None
+        return torch.ops.attnres.depth_attention_fwd(list(xs[:4]), xs[4], gain, 1e-6, 0.8)[2]
+
+    assert torch.autograd.gradcheck(weights_only, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_return_weights_are_differentiable(device, dtype):
+    """return_weights=True gives weights a loss can use: its gradients match
+    the fp64 reference's, for every source, the query and the gain."""
+    gen = torch.Generator().manual_seed(5)
+    srcs = make_sources(5, (7,), 64, dtype, device, gen, requires_grad=True)
+    q, g = make_params(64, dtype, device, gen, requires_grad=True)
+    h, w = attnres.depth_attention(srcs, q, g, return_weights=True)
+    assert w.requires_grad
+    coef = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    dh = torch.randn(h.shape, generator=gen, dtype=torch.float64)
+    loss = (w.double().cpu() * coef).sum() + (h.double().cpu() * dh).sum()
+    loss.backward()
+
+    ref_srcs = [fp64_leaf(s) for s in srcs]
+    ref_q, ref_g = fp64_leaf(q), fp64_leaf(g)
+    ref_h, ref_w = reference.depth_attention(ref_srcs, ref_q, ref_g, return_weights=True)
+    ((ref_w.double() * coef).sum() + (ref_h * dh.to(dtype).double()).sum()).backward()
+    # fp32 weights for every dtype: their gradient is at fp32 precision.
+    tol = max(GRAD_REL_TOL[dtype], GRAD_REL_TOL[torch.float32])
+    for i, (s, rs) in enumerate(zip(srcs, ref_srcs)):
+        assert rel_err(s.grad, rs.grad) < tol, f"sources[{i}]"
+    assert rel_err(q.grad, ref_q.grad) < tol
+    assert rel_err(g.grad, ref_g.grad) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_on_weights_alone(device):
+    """No gradient reaches h: the backward runs from the weights' gradient."""
+    gen = torch.Generator().manual_seed(6)
+    srcs = make_sources(3, (4,), 16, torch.float64, device, gen, requires_grad=True)
+    q, g = make_params(16, torch.float64, device, gen, requires_grad=True)
+    _h, _rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    (w[0] * w[2]).sum().backward()
+    ref_srcs = [fp64_leaf(s) for s in srcs]
+    ref_q, ref_g = fp64_leaf(q), fp64_leaf(g)
+    # The reference returns fp32 weights: the fp64 weights written out here.
+    v = torch.stack(ref_srcs)
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * ref_g
+    ref_w = torch.softmax((keys * ref_q).sum(-1), dim=0)
+    (ref_w[0] * ref_w[2]).sum().backward()
+    for s, rs in zip(srcs, ref_srcs):
+        assert rel_err(s.grad, rs.grad) < 1e-10
+    assert rel_err(q.grad, ref_q.grad) < 1e-10
+    assert rel_err(g.grad, ref_g.grad) < 1e-10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_inputs_get_no_gradient_and_others_are_unchanged(device):
+    gen = torch.Generator().manual_seed(7)
+    srcs = make_sources(4, (5,), 32, torch.float64, device, gen, requires_grad=True)
+    q, g = make_params(32, torch.float64, device, gen, requires_grad=True)
+    attnres.depth_attention(srcs, q, g).pow(2).sum().backward()
+    full = [s.grad.clone() for s in srcs], q.grad.clone(), g.grad.clone()
+
+    frozen = [s.detach().clone().requires_grad_(i % 2 == 1) for i, s in enumerate(srcs)]
+    q2, g2 = q.detach().clone(), g.detach().clone().requires_grad_(True)
+    attnres.depth_attention(frozen, q2, g2).pow(2).sum().backward()
+    for i, s in enumerate(frozen):
+        if i % 2 == 1:
+            torch.testing.assert_close(s.grad, full[0][i], rtol=0, atol=0)
+        else:
+            assert s.grad is None
+    assert q2.grad is None
+    torch.testing.assert_close(g2.grad, full[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_op_computes_only_what_the_mask_asks(device):
+    """output_mask: grad_sources lists the wanted source gradients only; an
+    unwanted query/gain gradient is None; the values equal the full call's."""
+    gen = torch.Generator().manual_seed(8)
+    srcs = make_sources(4, (3, 2), 24, torch.float32, device, gen)
+    q, g = make_params(24, torch.float32, device, gen)
+    _, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
+    dh = torch.randn(srcs[0].shape, generator=gen).to(device)
+    gw = torch.randn(w.shape, generator=gen).to(device)
+    full_s, full_q, full_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, grad_weights=gw)
+    mask = [False, True, False, True, False, True]
+    part_s, part_q, part_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, grad_weights=gw, output_mask=mask)
+    assert len(part_s) == 2 and part_q is None
+    torch.testing.assert_close(part_s[0], full_s[1], rtol=0, atol=0)
+    torch.testing.assert_close(part_s[1], full_s[3], rtol=0, atol=0)
+    torch.testing.assert_close(part_g, full_g, rtol=0, atol=0)
+    none_s, none_q, none_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, output_mask=[False] * 6)
+    assert none_s == [] and none_q is None and none_g is None
+    with pytest.raises(ValueError, match=r"output_mask must have N \+ 2 = 6 entries"):
+        backward_op(dh, srcs, q, g, rstd, w, 0.9, output_mask=[True] * 5)
+
+
+def test_second_derivatives_raise_a_clear_error():
+    gen = torch.Generator().manual_seed(9)
+    srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
+    q, g = make_params(8, torch.float64, "cpu", gen, requires_grad=True)
+    h = attnres.depth_attention(srcs, q, g)
+    (grad_q,) = torch.autograd.grad(h.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives of depth_attention are not implemented"):
+        grad_q.sum().backward()
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        torch.autograd.functional.hessian(lambda qq: attnres.depth_attention(srcs, qq, g).sum(), q)
+
+
+def test_backward_with_create_graph_still_gives_first_derivatives():
+    """create_graph=True alone (as torch.compile and gradient-penalty code
+    paths do) is fine; only differentiating the gradient again raises."""
+    gen = torch.Generator().manual_seed(10)
+    srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
+    q, g = make_params(8, torch.float64, "cpu", gen, requires_grad=True)
+    h = attnres.depth_attention(srcs, q, g)
+    grads = torch.autograd.grad(h.sum(), [*srcs, q, g], create_graph=True)
+    ref = torch.autograd.grad(attnres.depth_attention(srcs, q, g).sum(), [*srcs, q, g])
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
