@@ -7,7 +7,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
 BUILD := build-cmake
-BUILD_INPUTS := $(shell find csrc tests/cpp -type f) setup.py CMakeLists.txt
+BUILD_INPUTS := $(shell find csrc tests/cpp -type f) setup.py CMakeLists.txt pyproject.toml \
+  python/attnres/_version.py
 
 .PHONY: test test-fast demo bench setup build py-test cpp-test sysdeps clean info
 
@@ -56,4 +57,4 @@ cpp-test: build
 	ctest --test-dir $(BUILD) --output-on-failure
 
 clean:
-	rm -rf $(BUILD) build python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build
+	rm -rf $(BUILD) build dist python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,6 +28,7 @@ class CMakeBuild(build_ext):
         out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
         build_dir = os.path.abspath(os.environ.get("ATTNRES_BUILD_DIR") or self.build_temp)
         os.makedirs(build_dir, exist_ok=True)
+        _forget_foreign_cache(build_dir, torch.utils.cmake_prefix_path)
         on_off = lambda flag: "ON" if flag else "OFF"  # noqa: E731
         configure = [
             "cmake", "-S", HERE, "-B", build_dir,
@@ -61,20 +62,55 @@ class CMakeBuild(build_ext):
                            os.path.join(os.path.dirname(inplace_file), LIBRARY))
 
 
+def _forget_foreign_cache(build_dir, torch_cmake_prefix):
+    """Start a build directory afresh when another environment configured it:
+    its CMakeCache.txt names that environment's cmake, ninja, Python and
+    LibTorch, and pip's isolated build environments are deleted after each
+    build (a second `pip install .` would run a cmake or ninja that is gone)."""
+    cache_file = os.path.join(build_dir, "CMakeCache.txt")
+    if not os.path.exists(cache_file):
+        return
+    cache = {}
+    with open(cache_file) as f:
+        for line in f:
+            name, sep, value = line.rstrip("\n").partition("=")
+            if sep and not line.startswith(("#", "//")):
+                cache[name.split(":", 1)[0]] = value
+    torch_prefix = os.path.realpath(torch_cmake_prefix) + os.sep
+    same = (
+        os.path.realpath(cache.get("ATTNRES_TORCH_CMAKE_DIR", "")).startswith(torch_prefix)
+        and cache.get("Python3_EXECUTABLE") == sys.executable
+        and all(os.path.exists(cache.get(tool) or os.sep)
+                for tool in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM"))
+    )
+    if not same:
+        print(f"attnres: {build_dir} was configured by another environment; reconfiguring")
+        os.remove(cache_file)
+        shutil.rmtree(os.path.join(build_dir, "CMakeFiles"), ignore_errors=True)
+
+
 def _ninja():
     """ninja from this Python's environment (pip's ninja package) or PATH."""
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     return shutil.which("ninja", path=path)
 
 
+def _torch_requirement():
+    """torch==<the torch this build compiles against>: _C and libattnres link
+    LibTorch's C++ ABI, which changes between torch releases. The local part
+    (+cu130, +cpu) is dropped: PyPI's torch has none."""
+    try:
+        import torch
+    except ImportError:
+        # Metadata without a build (e.g. an sdist made without torch): the
+        # requirement is marked dynamic and a wheel build needs torch anyway.
+        return "torch"
+    return "torch==" + torch.__version__.split("+")[0]
+
+
+# The metadata is in pyproject.toml; the version in python/attnres/_version.py.
 setup(
-    name="attnres",
-    version="0.1.0",
-    description="Fused Attention Residuals (depth attention) torch ops for CPU and CUDA",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
     ext_modules=[Extension("attnres._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.10",
-    install_requires=["torch"],
+    install_requires=[_torch_requirement()],
 )

@@ -5,10 +5,10 @@
     stream = attnres.DepthStream(emb, block_size=None)   # or S for Block AttnRes
     h = attnres.AttnResResidual(D)(stream)
 """
+from ._version import __version__
 from . import reference
 from .ops import depth_attention
 from .modules import AttnResResidual, DepthStream
 from . import models
 
 __all__ = ["depth_attention", "reference", "DepthStream", "AttnResResidual", "models"]
-__version__ = "0.1.0"
