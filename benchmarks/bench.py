@@ -101,6 +101,10 @@ COLUMNS = ["machine", "device", "dtype", "N", "tokens", "D", "pass", "impl", "ms
 OVERHEAD_COLUMNS = ["machine", "dtype", "N", "tokens", "D", "requires_grad", "impl", "us_per_call",
                     "iqr_us", "min_us", "cpu_us_per_call", "cpu_iqr_us", "blocks", "calls_per_block", "git_head"]
 IMPLS = ("attnres", "eager", "compile")
+# Not run by default: attnres's kernels under a Python autograd.Function, the
+# path the package used before autograd moved to C++ (--impls attnres,attnres_pyautograd
+# compares the two autograd paths in one run).
+EXTRA_IMPLS = ("attnres_pyautograd",)
 
 # (dtype, N, tokens, D). CPU: the first row is the target configuration.
 CPU_SHAPES = [
@@ -405,6 +409,31 @@ def param_dtype(dtype):
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+class _PythonAutogradDepthAttention(torch.autograd.Function):
+    """attnres's forward and backward ops (below the Autograd key) with a
+    Python autograd.Function around them, every gradient computed: what
+    torch.library.register_autograd did before csrc/autograd.cpp."""
+
+    @staticmethod
+    def forward(ctx, query, gain, *sources):
+        with torch._C._AutoDispatchBelowAutograd():
+            h, rstd, weights = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
+        ctx.save_for_backward(*sources, query, gain, rstd, weights)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        *sources, query, gain, rstd, weights = ctx.saved_tensors
+        with torch._C._AutoDispatchBelowAutograd():
+            grads, grad_query, grad_gain = torch.ops.attnres.depth_attention_bwd(
+                grad_out, None, sources, query, gain, rstd, weights, 1.0, [True] * (len(sources) + 2))
+        return (grad_query, grad_gain, *grads)
+
+
+def attnres_pyautograd(sources, query, gain):
+    return _PythonAutogradDepthAttention.apply(query, gain, *sources)
+
+
 def make_sets(n_sets, N, T, D, dtype, device):
     sets = []
     pd = param_dtype(dtype)
@@ -547,8 +576,8 @@ def run_benchmark(args) -> int:
         if p not in ("fwd", "bwd", "fwd+bwd"):
             sys.exit(f"bench.py: unknown pass {p!r} (fwd, bwd, fwd+bwd)")
     for i in impls:
-        if i not in IMPLS:
-            sys.exit(f"bench.py: unknown implementation {i!r} ({', '.join(IMPLS)})")
+        if i not in IMPLS + EXTRA_IMPLS:
+            sys.exit(f"bench.py: unknown implementation {i!r} ({', '.join(IMPLS + EXTRA_IMPLS)})")
     budget = args.budget_s if args.budget_s is not None else (240.0 if cuda else 0.0)
     repeats = args.repeats or (2 if args.quick else (10 if cuda else 7))
     min_run = 0.01 if args.quick else args.min_run_s
@@ -614,6 +643,8 @@ def run_benchmark(args) -> int:
         for impl in impls:
             if impl == "attnres":
                 fn, stacked = attnres.depth_attention, False
+            elif impl == "attnres_pyautograd":
+                fn, stacked = attnres_pyautograd, False
             elif impl == "eager":
                 fn, stacked = reference.depth_attention, False
             elif compile_mode == "static":
@@ -815,7 +846,8 @@ def parse_args(argv=None):
                     help="CPU fwd and fwd+bwd: Timer.adaptive_autorange min_run_time (default 1)")
     ap.add_argument("--max-run-s", type=float, default=10.0,
                     help="CPU fwd and fwd+bwd: Timer.adaptive_autorange max_run_time (default 10)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of attnres,eager,compile")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of attnres,eager,compile (and attnres_pyautograd: "
+                         "the kernels under a Python autograd.Function)")
     ap.add_argument("--passes", default=None,
                     help="comma-separated subset of fwd,bwd,fwd+bwd (default: CPU all three, CUDA fwd,bwd)")
     ap.add_argument("--shapes", default=None,
