@@ -7,12 +7,13 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
 BUILD := build-cmake
-BUILD_INPUTS := $(shell find csrc tests/cpp -type f) setup.py CMakeLists.txt pyproject.toml \
+BUILD_INPUTS := $(shell find csrc tests/cpp -path tests/cpp/aoti -prune -o -type f -print) \
+  setup.py CMakeLists.txt pyproject.toml \
   python/attnres/_version.py
 
-.PHONY: test test-fast demo bench setup build py-test cpp-test sysdeps clean info
+.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info
 
-test: py-test cpp-test
+test: py-test cpp-test cpp-example
 
 # Skips the tests marked slow (the inductor compiles): for quick local runs.
 test-fast: build
@@ -50,11 +51,28 @@ $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(BUILD_INPUTS) | sysdeps
 	$(VPY) -m attnres info  # what the build decided: CPU and CUDA kernels compiled in
 	@touch $@
 
-py-test: build
-	$(VPY) -m pytest -q -p no:cacheprovider tests/python
+# The C++ AOTInductor test (tests/python/test_export.py) consumes the
+# installed package, so it is installed first.
+py-test: build cpp-install
+	ATTNRES_REQUIRE_INSTALL=1 ATTNRES_INSTALL_PREFIX=$(CPP_PREFIX) \
+	  $(VPY) -m pytest -q -p no:cacheprovider tests/python
 
 cpp-test: build
 	ctest --test-dir $(BUILD) --output-on-failure
+
+# The installed CMake package, consumed out of tree: install the library,
+# headers and attnresConfig.cmake from $(BUILD) into $(BUILD)/install, then
+# configure, build and run examples/cpp against it (find_package(attnres)).
+CPP_PREFIX := $(abspath $(BUILD))/install
+cpp-install: build
+	cmake --install $(BUILD) --prefix $(CPP_PREFIX)
+
+cpp-example: cpp-install
+	cmake -S examples/cpp -B $(BUILD)/examples \
+	  -DCMAKE_PREFIX_PATH="$(CPP_PREFIX);$$($(VPY) -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(BUILD)/examples -j $(MAX_JOBS)
+	$(BUILD)/examples/grad_check
+	$(BUILD)/examples/tiny_model
 
 clean:
 	rm -rf $(BUILD) build dist python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build

@@ -1,0 +1,154 @@
+// C++ drop-in modules for Attention Residuals, the counterparts of
+// python/attnres/modules.py with the same rules and error words
+// (docs/design.md §1, §3). A PreNorm block normally does
+// `x = x + f(norm(x))`; with AttnRes the outputs are kept apart in a
+// DepthStream and every sublayer reads them through its own AttnResResidual:
+//
+//   attnres::DepthStream stream(tok_emb, /*block_size=*/std::nullopt);  // or S
+//   for (auto& blk : blocks) {
+//     stream.append(blk->attn(blk->ln1(blk->res_attn(stream))));
+//     stream.append(blk->mlp(blk->ln2(blk->res_mlp(stream))));
+//   }
+//   at::Tensor x = final_res(stream);
+//
+// Include <attnres/attnres.h> (this header and ops.h); link attnres::attnres.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <tuple>
+#include <vector>
+
+namespace attnres {
+
+// The sources that later sublayers read, for one forward pass.
+//
+// block_size = std::nullopt is Full AttnRes: the sources are the embedding
+// and every sublayer output so far. block_size = S is Block AttnRes: the
+// embedding, the sum of each completed block of S outputs, and (when it holds
+// at least one output) the current block's partial sum. block_size = 1 gives
+// the same sources as Full.
+//
+// dtype rule: every source has the embedding's dtype (the "stream dtype").
+// Under autocast (at::autocast::is_autocast_enabled for the output's device)
+// append() casts a floating-point output to the stream dtype, the way
+// `x + f` promotes a bf16 f into an fp32 residual stream; outside autocast a
+// dtype mismatch is an error.
+//
+// The stream holds references, never copies: Full keeps each appended tensor
+// itself; Block builds partial sums out of place so autograd sees every step.
+// A DepthStream is a small value: copying it (or clone()) shares the tensors
+// and copies the lists, so appending to the copy leaves the original as it is
+// (what activation checkpointing needs).
+//
+// Bad input throws c10::ValueError / c10::TypeError (Python's ValueError /
+// TypeError) with the words of the Python class.
+class DepthStream {
+ public:
+  explicit DepthStream(at::Tensor embedding,
+                       std::optional<int64_t> block_size = std::nullopt);
+
+  // Records the new output f of one sublayer (never a cumulative sum). f must
+  // have the embedding's shape, device and dtype (under autocast: any
+  // floating dtype, cast to the stream dtype).
+  void append(const at::Tensor& f);
+
+  // What the next read sees, in order: the embedding, the completed sources,
+  // then the partial sum (Block only, and only when it is non-empty). A fresh
+  // vector each call.
+  std::vector<at::Tensor> sources() const;
+  int64_t num_sources() const;
+
+  // The model width D: the size of the last dimension of every source.
+  int64_t width() const { return embedding_.size(-1); }
+  // std::nullopt for Full, S for Block.
+  std::optional<int64_t> block_size() const { return block_size_; }
+  // Sublayer outputs appended so far.
+  int64_t num_outputs() const { return num_outputs_; }
+
+  const at::Tensor& embedding() const { return embedding_; }
+  at::IntArrayRef shape() const { return embedding_.sizes(); }
+  at::ScalarType dtype() const { return embedding_.scalar_type(); }
+  at::Device device() const { return embedding_.device(); }
+
+  // A new stream with the same sources (tensors shared, lists copied); the
+  // same as a copy, named as in Python.
+  DepthStream clone() const { return *this; }
+
+ private:
+  at::Tensor checked_output(const at::Tensor& f) const;
+
+  at::Tensor embedding_;
+  std::optional<int64_t> block_size_;
+  std::vector<at::Tensor> completed_;  // the embedding, then completed sources
+  at::Tensor partial_;                 // undefined when the block is empty
+  int64_t in_partial_ = 0;             // outputs summed into the partial so far
+  int64_t num_outputs_ = 0;
+};
+
+// DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
+std::ostream& operator<<(std::ostream& out, const DepthStream& stream);
+
+// Options of AttnResResidual (torch::nn style):
+//   attnres::AttnResResidual res(attnres::AttnResResidualOptions(512).eps(1e-6));
+struct AttnResResidualOptions {
+  /* implicit */ AttnResResidualOptions(int64_t dim) : dim_(dim) {}
+
+  // The model width D.
+  TORCH_ARG(int64_t, dim);
+  // Inside the RMS of the keys' norm; finite and >= 0.
+  TORCH_ARG(double, eps) = 1e-6;
+  // Whether the keys' RMSNorm has a learned gain (the parameter norm_weight).
+  TORCH_ARG(bool, key_norm_affine) = true;
+  // dtype and device of the parameters (default: torch's default dtype, CPU);
+  // module->to(...) moves them later as for any torch::nn module.
+  TORCH_ARG(std::optional<at::ScalarType>, dtype) = std::nullopt;
+  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+};
+
+// One depth-attention read: replaces the residual input of one sublayer (or,
+// with its own instance, the network's final output). Parameters: "query"
+// [dim], zeros (an untrained read is the plain average of its sources), and
+// "norm_weight" [dim], ones, only with key_norm_affine (otherwise norm_weight
+// is an undefined tensor and not registered).
+class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
+ public:
+  explicit AttnResResidualImpl(const AttnResResidualOptions& options_);
+
+  // Registers the parameters (torch::nn::Cloneable calls it again in clone()).
+  void reset() override;
+  // query = 0, norm_weight = 1.
+  void reset_parameters();
+
+  // h [..., D] in the stream dtype: attnres::depth_attention on
+  // stream.sources() (the list itself, never stacked).
+  at::Tensor forward(const DepthStream& stream);
+  // h and the depth softmax weights [num_sources, ...] (fp32; fp64 for an
+  // fp64 stream); both are differentiable.
+  std::tuple<at::Tensor, at::Tensor> forward_with_weights(const DepthStream& stream);
+
+  // attnres::AttnResResidual(dim=512, eps=1e-06, key_norm_affine=true)
+  void pretty_print(std::ostream& stream) const override;
+
+  AttnResResidualOptions options;
+  at::Tensor query;
+  at::Tensor norm_weight;  // undefined without key_norm_affine
+
+ private:
+  void check_width(const DepthStream& stream) const;
+};
+
+// attnres::AttnResResidual(dim) or
+// attnres::AttnResResidual(attnres::AttnResResidualOptions(dim).eps(...)):
+// a shared-pointer holder, like every torch::nn module.
+TORCH_MODULE(AttnResResidual);
+
+}  // namespace attnres

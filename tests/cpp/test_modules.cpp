@@ -1,0 +1,680 @@
+// C++ tests of the C++ front end (<attnres/attnres.h>): autograd of
+// attnres::depth_attention from C++, and the modules attnres::DepthStream and
+// attnres::AttnResResidual against python/attnres/modules.py's rules and
+// words (tests/python/test_modules.py checks the Python side the same way).
+// References are plain ATen math in float64 (docs/design.md §1) and autograd
+// on it; tolerances are the float64 row of tests/tolerances.txt.
+#ifndef ATTNRES_TOLERANCES_FILE
+#error "ATTNRES_TOLERANCES_FILE must name tests/tolerances.txt; CMakeLists.txt sets it"
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attnres/attnres.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+using Tensors = std::vector<at::Tensor>;
+
+// ---- helpers ----------------------------------------------------------------
+
+// One column of the float64 row of tests/tolerances.txt (relative norm error
+// allowed against float64 references): "output" or "grad".
+double fp64_tolerance(const std::string& column) {
+  std::ifstream in(ATTNRES_TOLERANCES_FILE);
+  if (!in) throw std::runtime_error("cannot open " + std::string(ATTNRES_TOLERANCES_FILE));
+  std::vector<std::string> header;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream fields(line.substr(0, line.find('#')));
+    std::vector<std::string> row;
+    for (std::string f; fields >> f;) row.push_back(f);
+    if (row.empty()) continue;
+    if (header.empty()) {
+      header = row;
+    } else if (row[0] == "float64") {
+      const auto it = std::find(header.begin(), header.end(), column);
+      if (it == header.end() || row.size() != header.size()) break;
+      return std::stod(row[it - header.begin()]);
+    }
+  }
+  throw std::runtime_error(std::string(ATTNRES_TOLERANCES_FILE) + ": no float64 '" + column +
+                           "' entry");
+}
+const double kOutputTol = fp64_tolerance("output");
+const double kGradTol = fp64_tolerance("grad");
+
+double rel_err(const at::Tensor& actual, const at::Tensor& expected) {
+  const at::Tensor a = actual.to(at::kDouble);
+  const at::Tensor e = expected.to(at::kDouble);
+  return (a - e).norm().item<double>() / std::max(e.norm().item<double>(), 1e-300);
+}
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol,
+                  const std::string& what) {
+  ASSERT_TRUE(actual.defined()) << what << " is undefined";
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  EXPECT_LE(rel_err(actual, expected), tol) << what;
+}
+
+// The ATen composite in float64: rstd, keys, scores, softmax over the
+// sources, weighted sum of the raw sources. Differentiable by autograd.
+std::pair<at::Tensor, at::Tensor> composite(const Tensors& sources, const at::Tensor& query,
+                                            const std::optional<at::Tensor>& gain,
+                                            double eps = 1e-6, double scale = 1.0) {
+  const at::Tensor v = at::stack(sources);  // [N, ..., D]
+  at::Tensor keys = v * at::rsqrt(v.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (gain) keys = keys * *gain;
+  const at::Tensor weights = at::softmax((keys * query).sum(-1) * scale, 0);
+  return {(weights.unsqueeze(-1) * v).sum(0), weights};
+}
+
+Tensors leaves(int64_t n, at::IntArrayRef shape) {
+  Tensors out;
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back((at::randn(shape, at::kDouble) * (0.5 + i % 3)).requires_grad_(true));
+  }
+  return out;
+}
+
+// The exception's message without the C++ backtrace.
+template <typename Exception, typename Fn>
+void expect_error(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an exception containing: " << needle;
+  } catch (const Exception& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr(needle));
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type for '" << needle << "': " << e.what();
+  }
+}
+
+// ---- autograd from C++ ----------------------------------------------------------
+
+TEST(CppAutograd, GradientsOfSourcesQueryAndGainMatchAtenMath) {
+  for (bool with_gain : {true, false}) {
+    SCOPED_TRACE(with_gain ? "with gain" : "without gain");
+    at::manual_seed(10);
+    const int64_t D = 10;
+    const Tensors sources = leaves(4, {2, 3, D});
+    const at::Tensor query = (at::randn({D}, at::kDouble) * 0.5).requires_grad_(true);
+    const at::Tensor gain = (at::rand({D}, at::kDouble) + 0.5).requires_grad_(true);
+    const std::optional<at::Tensor> g = with_gain ? std::optional<at::Tensor>(gain) : std::nullopt;
+    const at::Tensor grad_out = at::randn({2, 3, D}, at::kDouble);
+    Tensors inputs = sources;
+    inputs.push_back(query);
+    if (with_gain) inputs.push_back(gain);
+
+    const at::Tensor h = attnres::depth_attention(sources, query, g, 1e-6, 0.8);
+    const Tensors grads = torch::autograd::grad({h}, inputs, {grad_out});
+    const at::Tensor h_ref = composite(sources, query, g, 1e-6, 0.8).first;
+    const Tensors ref = torch::autograd::grad({h_ref}, inputs, {grad_out});
+
+    expect_close(h, h_ref, kOutputTol, "h");
+    ASSERT_EQ(grads.size(), inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ASSERT_GT(ref[i].abs().max().item<double>(), 0.0) << "trivial reference " << i;
+      expect_close(grads[i], ref[i], kGradTol, "gradient of input " + std::to_string(i));
+    }
+  }
+}
+
+TEST(CppAutograd, FrozenInputsGetNoGradient) {
+  at::manual_seed(11);
+  const int64_t D = 6;
+  Tensors sources = leaves(3, {4, D});
+  sources[1] = sources[1].detach();  // frozen
+  const at::Tensor query = at::randn({D}, at::kDouble);  // frozen
+  const at::Tensor gain = (at::rand({D}, at::kDouble) + 0.5).requires_grad_(true);
+
+  const at::Tensor h = attnres::depth_attention(sources, query, gain);
+  ASSERT_TRUE(h.requires_grad());
+  (h * at::randn_like(h)).sum().backward();
+  EXPECT_TRUE(sources[0].grad().defined());
+  EXPECT_FALSE(sources[1].grad().defined());
+  EXPECT_TRUE(sources[2].grad().defined());
+  EXPECT_FALSE(query.grad().defined());
+  EXPECT_TRUE(gain.grad().defined());
+
+  // Nothing trainable: no graph at all.
+  const Tensors frozen = {sources[1], sources[1] * 2.0};
+  EXPECT_FALSE(attnres::depth_attention(frozen, query, gain.detach()).requires_grad());
+}
+
+TEST(CppAutograd, DepthWeightsAreDifferentiable) {
+  at::manual_seed(12);
+  const int64_t D = 7;
+  const Tensors sources = leaves(5, {3, D});
+  const at::Tensor query = at::randn({D}, at::kDouble).requires_grad_(true);
+  const at::Tensor gain = (at::rand({D}, at::kDouble) + 0.5).requires_grad_(true);
+  Tensors inputs = sources;
+  inputs.push_back(query);
+  inputs.push_back(gain);
+  const at::Tensor grad_w = at::randn({5, 3}, at::kDouble);
+  const at::Tensor grad_h = at::randn({3, D}, at::kDouble);
+
+  const auto [h, w] = attnres::depth_attention_with_weights(sources, query, gain);
+  const auto [h_ref, w_ref] = composite(sources, query, gain);
+  EXPECT_EQ(w.scalar_type(), at::kDouble);
+  expect_close(w, w_ref, kOutputTol, "weights");
+  // The weights alone, then h and the weights together.
+  const Tensors g_w = torch::autograd::grad({w}, inputs, {grad_w}, /*retain_graph=*/true);
+  const Tensors r_w = torch::autograd::grad({w_ref}, inputs, {grad_w}, /*retain_graph=*/true);
+  const Tensors g_hw = torch::autograd::grad({h, w}, inputs, {grad_h, grad_w});
+  const Tensors r_hw = torch::autograd::grad({h_ref, w_ref}, inputs, {grad_h, grad_w});
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    expect_close(g_w[i], r_w[i], kGradTol, "weights only, input " + std::to_string(i));
+    expect_close(g_hw[i], r_hw[i], kGradTol, "h and weights, input " + std::to_string(i));
+  }
+}
+
+TEST(CppAutograd, DoubleBackwardRaises) {
+  at::manual_seed(13);
+  const Tensors sources = leaves(3, {2, 5});
+  const at::Tensor query = at::randn({5}, at::kDouble).requires_grad_(true);
+  const at::Tensor h = attnres::depth_attention(sources, query);
+  const Tensors g = torch::autograd::grad({h.pow(2).sum()}, {query}, {}, /*retain_graph=*/true,
+                                          /*create_graph=*/true);
+  ASSERT_TRUE(g[0].requires_grad());
+  try {
+    g[0].sum().backward();
+    ADD_FAILURE() << "double backward must raise";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("second derivatives of depth_attention are not implemented"));
+  }
+}
+
+// ---- DepthStream: the Full / Block rule --------------------------------------
+
+constexpr int64_t kOutputs = 11;
+
+// Output j (0: the embedding) is (j + 1) * row * e_j: every sum of distinct
+// outputs is a distinct tensor, exact in float32.
+Tensors basis_outputs() {
+  const at::Tensor rows = at::arange(1, 4, at::kFloat).view({3, 1});
+  const at::Tensor eye = at::eye(kOutputs + 1, at::kFloat);
+  Tensors out;
+  for (int64_t j = 0; j <= kOutputs; ++j) out.push_back(rows * eye[j] * double(j + 1));
+  return out;
+}
+
+at::Tensor sum_of(const std::vector<int>& group, const Tensors& basis) {
+  at::Tensor s = at::zeros_like(basis[0]);
+  for (int j : group) s = s + basis[j];
+  return s;
+}
+
+// The rule, stated independently: the embedding, then outputs 1..n in
+// consecutive chunks of S (Full: of one); the last chunk may be short (the
+// partial sum) and an empty one is not listed.
+std::vector<std::vector<int>> expected_groups(std::optional<int64_t> block_size, int n) {
+  const int step = block_size ? static_cast<int>(*block_size) : 1;
+  std::vector<std::vector<int>> groups = {{0}};
+  for (int start = 1; start <= n; start += step) {
+    std::vector<int> chunk;
+    for (int j = start; j < start + step && j <= n; ++j) chunk.push_back(j);
+    groups.push_back(chunk);
+  }
+  return groups;
+}
+
+class BlockRule : public ::testing::TestWithParam<std::optional<int64_t>> {};
+
+TEST_P(BlockRule, SourcesAfterEachAppend) {
+  const std::optional<int64_t> S = GetParam();
+  const Tensors basis = basis_outputs();
+  attnres::DepthStream stream(basis[0], S);
+  ASSERT_EQ(stream.sources().size(), 1u);
+  EXPECT_TRUE(stream.sources()[0].is_same(basis[0]));
+  for (int j = 1; j <= kOutputs; ++j) {
+    stream.append(basis[j]);
+    const auto groups = expected_groups(S, j);
+    const Tensors got = stream.sources();
+    ASSERT_EQ(got.size(), groups.size()) << "after " << j << " outputs";
+    EXPECT_EQ(stream.num_sources(), static_cast<int64_t>(groups.size()));
+    EXPECT_EQ(stream.num_outputs(), j);
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_TRUE(at::equal(got[k], sum_of(groups[k], basis)))
+          << "source " << k << " after " << j << " outputs";
+    }
+  }
+}
+
+// The sources after all 11 outputs, written out by hand (docs/design.md §1).
+TEST_P(BlockRule, SourcesAfterElevenOutputsWrittenOutByHand) {
+  const std::optional<int64_t> S = GetParam();
+  const std::vector<std::vector<int>> full = {{0}, {1}, {2}, {3}, {4},  {5},
+                                              {6}, {7}, {8}, {9}, {10}, {11}};
+  std::vector<std::vector<int>> expected;
+  if (!S || *S == 1) expected = full;
+  if (S && *S == 2) expected = {{0}, {1, 2}, {3, 4}, {5, 6}, {7, 8}, {9, 10}, {11}};
+  if (S && *S == 3) expected = {{0}, {1, 2, 3}, {4, 5, 6}, {7, 8, 9}, {10, 11}};
+  if (S && *S == 5) expected = {{0}, {1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}, {11}};
+  ASSERT_FALSE(expected.empty());
+  const Tensors basis = basis_outputs();
+  attnres::DepthStream stream(basis[0], S);
+  for (int j = 1; j <= kOutputs; ++j) stream.append(basis[j]);
+  const Tensors got = stream.sources();
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_TRUE(at::equal(got[k], sum_of(expected[k], basis))) << "source " << k;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FullAndBlock, BlockRule,
+                         ::testing::Values(std::nullopt, 1, 2, 3, 5),
+                         [](const ::testing::TestParamInfo<std::optional<int64_t>>& info) {
+                           return info.param ? "Block" + std::to_string(*info.param)
+                                             : std::string("Full");
+                         });
+
+TEST(DepthStream, FullKeepsTheAppendedTensorsThemselves) {
+  const at::Tensor emb = at::randn({2, 4});
+  const Tensors outs = {at::randn({2, 4}), at::randn({2, 4}), at::randn({2, 4})};
+  attnres::DepthStream stream(emb);
+  for (const auto& f : outs) stream.append(f);
+  const Tensors got = stream.sources();
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_TRUE(got[0].is_same(emb));
+  for (size_t i = 0; i < outs.size(); ++i) EXPECT_TRUE(got[i + 1].is_same(outs[i]));
+}
+
+TEST(DepthStream, AccessorsAndPrinting) {
+  attnres::DepthStream stream(at::randn({2, 5, 8}), 2);
+  stream.append(at::randn({2, 5, 8}));
+  EXPECT_EQ(stream.width(), 8);
+  EXPECT_EQ(stream.shape(), at::IntArrayRef({2, 5, 8}));
+  EXPECT_EQ(stream.dtype(), at::kFloat);
+  EXPECT_EQ(stream.device(), at::Device(at::kCPU));
+  EXPECT_EQ(stream.block_size(), std::optional<int64_t>(2));
+  EXPECT_EQ(stream.num_outputs(), 1);
+  EXPECT_FALSE(attnres::DepthStream(at::randn({3})).block_size().has_value());
+  std::ostringstream text;
+  text << stream;
+  EXPECT_EQ(text.str(),
+            "DepthStream(Block(S=2), shape=[2, 5, 8], dtype=torch.float32, outputs=1, sources=2)");
+}
+
+TEST(DepthStream, SourcesIsAFreshListAndCloneIsIndependent) {
+  attnres::DepthStream stream(at::randn({2, 4}), 2);
+  stream.append(at::randn({2, 4}));
+  Tensors listed = stream.sources();
+  listed.push_back(at::randn({2, 4}));
+  EXPECT_EQ(stream.num_sources(), 2);
+
+  const Tensors before = stream.sources();
+  attnres::DepthStream copy = stream.clone();
+  copy.append(at::randn({2, 4}));
+  copy.append(at::randn({2, 4}));
+  EXPECT_EQ(copy.num_sources(), 3);
+  EXPECT_EQ(copy.num_outputs(), 3);
+  const Tensors after = stream.sources();
+  ASSERT_EQ(after.size(), 2u);
+  EXPECT_EQ(stream.num_outputs(), 1);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].is_same(before[i]));
+}
+
+// Sets CPU autocast for one scope and restores it.
+class CpuAutocast {
+ public:
+  explicit CpuAutocast(at::ScalarType dtype)
+      : was_enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
+        old_dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  }
+  ~CpuAutocast() {
+    at::autocast::set_autocast_enabled(at::kCPU, was_enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, old_dtype_);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool was_enabled_;
+  at::ScalarType old_dtype_;
+};
+
+TEST(DepthStream, UnderAutocastOutputsAreCastToTheStreamDtype) {
+  at::manual_seed(14);
+  const int64_t D = 8;
+  const at::Tensor emb = at::randn({3, D});
+  const at::Tensor weight = at::randn({D, D});
+  attnres::DepthStream stream(emb, 2);
+  attnres::AttnResResidual read(D);
+  at::Tensor f, h;
+  {
+    CpuAutocast autocast(at::kBFloat16);
+    f = at::linear(emb, weight);
+    ASSERT_EQ(f.scalar_type(), at::kBFloat16);
+    stream.append(f);
+    stream.append(f);
+    h = read(stream);
+  }
+  for (const auto& s : stream.sources()) EXPECT_EQ(s.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(stream.sources()[1], f.to(at::kFloat) + f.to(at::kFloat)));
+  EXPECT_EQ(h.scalar_type(), at::kFloat);
+  // Outside autocast the same output is an error.
+  expect_error<c10::TypeError>([&] { stream.append(f); },
+                               "output has dtype torch.bfloat16 but the stream's dtype");
+}
+
+// ---- DepthStream: bad input ------------------------------------------------------
+
+TEST(DepthStreamErrors, BlockSizeMustBePositive) {
+  for (int64_t bad : {0, -3}) {
+    expect_error<c10::ValueError>(
+        [&] { attnres::DepthStream(at::randn({2, 8}), bad); },
+        "block_size must be None (Full AttnRes) or a positive int S (Block AttnRes), got " +
+            std::to_string(bad));
+  }
+}
+
+TEST(DepthStreamErrors, BadEmbedding) {
+  expect_error<c10::TypeError>([] { attnres::DepthStream{at::Tensor()}; },
+                               "embedding must be a tensor [..., D], got an undefined tensor");
+  expect_error<c10::ValueError>([] { attnres::DepthStream(at::randn({2, 0})); },
+                                "embedding must have shape [..., D] with D > 0, got [2, 0]");
+  expect_error<c10::ValueError>([] { attnres::DepthStream(at::randn({}, at::kFloat)); },
+                                "embedding must have shape [..., D] with D > 0, got []");
+  expect_error<c10::TypeError>([] { attnres::DepthStream(at::ones({2, 8}, at::kLong)); },
+                               "embedding must be a floating-point tensor, got torch.int64");
+}
+
+TEST(DepthStreamErrors, AppendOfAnotherShapeDtypeOrDevice) {
+  attnres::DepthStream stream(at::randn({2, 8}));
+  expect_error<c10::ValueError>(
+      [&] { stream.append(at::randn({2, 9})); },
+      "DepthStream.append: output has shape [2, 9] but the stream's embedding has shape [2, 8]");
+  expect_error<c10::ValueError>([&] { stream.append(at::randn({1, 2, 8})); },
+                                "output has shape [1, 2, 8]");
+  expect_error<c10::TypeError>(
+      [&] { stream.append(at::randn({2, 8}, at::kDouble)); },
+      "DepthStream.append: output has dtype torch.float64 but the stream's dtype (its "
+      "embedding's) is torch.float32; outside torch.autocast every output must have the "
+      "stream dtype");
+  expect_error<c10::ValueError>(
+      [&] { stream.append(at::empty({2, 8}, at::TensorOptions().device(at::kMeta))); },
+      "DepthStream.append: output is on device meta but the stream is on device cpu");
+  expect_error<c10::TypeError>([&] { stream.append(at::Tensor()); },
+                               "DepthStream.append expects a tensor, got an undefined tensor");
+  EXPECT_EQ(stream.num_outputs(), 0);
+  EXPECT_EQ(stream.num_sources(), 1);
+}
+
+// ---- AttnResResidual ------------------------------------------------------------
+
+std::vector<std::string> parameter_names(const torch::nn::Module& m) {
+  std::vector<std::string> names;
+  for (const auto& item : m.named_parameters()) names.push_back(item.key());
+  return names;
+}
+
+TEST(AttnResResidual, ParametersAndInitialValues) {
+  attnres::AttnResResidual read(8);
+  EXPECT_EQ(parameter_names(*read), (std::vector<std::string>{"query", "norm_weight"}));
+  EXPECT_TRUE(at::equal(read->query, at::zeros({8})));
+  EXPECT_TRUE(at::equal(read->norm_weight, at::ones({8})));
+  EXPECT_TRUE(read->query.requires_grad());
+  EXPECT_TRUE(read->norm_weight.requires_grad());
+  EXPECT_EQ(read->options.eps(), 1e-6);
+
+  attnres::AttnResResidual plain(
+      attnres::AttnResResidualOptions(8).eps(1e-5).key_norm_affine(false).dtype(at::kDouble));
+  EXPECT_EQ(parameter_names(*plain), (std::vector<std::string>{"query"}));
+  EXPECT_FALSE(plain->norm_weight.defined());
+  EXPECT_EQ(plain->query.scalar_type(), at::kDouble);
+  EXPECT_EQ(plain->options.eps(), 1e-5);
+
+  std::ostringstream text;
+  text << *read;
+  EXPECT_EQ(text.str(), "attnres::AttnResResidual(dim=8, eps=1e-06, key_norm_affine=true)");
+}
+
+TEST(AttnResResidual, ForwardIsDepthAttentionOnTheSources) {
+  at::manual_seed(15);
+  const int64_t D = 8;
+  attnres::DepthStream stream(at::randn({2, 3, D}, at::kDouble), 3);
+  for (int i = 0; i < 4; ++i) stream.append(at::randn({2, 3, D}, at::kDouble));
+  for (bool affine : {true, false}) {
+    SCOPED_TRACE(affine ? "with gain" : "without gain");
+    attnres::AttnResResidual read(attnres::AttnResResidualOptions(D)
+                                      .key_norm_affine(affine)
+                                      .eps(1e-5)
+                                      .dtype(at::kDouble));
+    {
+      torch::NoGradGuard no_grad;
+      read->query.normal_();
+      if (affine) read->norm_weight.uniform_(0.5, 1.5);
+    }
+    const std::optional<at::Tensor> gain =
+        affine ? std::optional<at::Tensor>(read->norm_weight) : std::nullopt;
+    const at::Tensor h = read(stream);
+    EXPECT_TRUE(at::equal(h, attnres::depth_attention(stream.sources(), read->query, gain, 1e-5)));
+    const auto [h_ref, w_ref] = composite(stream.sources(), read->query, gain, 1e-5);
+    expect_close(h, h_ref, kOutputTol, "h");
+    const auto [h2, w] = read->forward_with_weights(stream);
+    EXPECT_TRUE(at::equal(h2, h));
+    EXPECT_EQ(w.sizes(), at::IntArrayRef({3, 2, 3}));  // e, f1+f2+f3, f4
+    expect_close(w, w_ref, kOutputTol, "weights");
+  }
+}
+
+TEST(AttnResResidual, ZeroQueryReadsTheMeanOfTheSources) {
+  at::manual_seed(16);
+  attnres::DepthStream stream(at::randn({4, 6, 8}, at::kDouble), 2);
+  for (int i = 0; i < 5; ++i) stream.append(at::randn({4, 6, 8}, at::kDouble));
+  attnres::AttnResResidual read(attnres::AttnResResidualOptions(8).dtype(at::kDouble));
+  expect_close(read(stream), at::stack(stream.sources()).mean(0), kOutputTol, "h");
+}
+
+// docs/design.md §1: e=[2,0,0], f1=[0,4,0], f2=[0,0,6], eps 0,
+// query [0, ln2/sqrt3, 0] gives weights [1/4, 1/2, 1/4] and h = [0.5, 2, 1.5].
+TEST(AttnResResidual, WorkedExampleFromTheDesign) {
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  attnres::DepthStream stream(at::tensor({2.0, 0.0, 0.0}, f64));
+  stream.append(at::tensor({0.0, 4.0, 0.0}, f64));
+  stream.append(at::tensor({0.0, 0.0, 6.0}, f64));
+  attnres::AttnResResidual read(attnres::AttnResResidualOptions(3).eps(0.0).dtype(at::kDouble));
+  {
+    torch::NoGradGuard no_grad;
+    read->query.copy_(at::tensor({0.0, std::log(2.0) / std::sqrt(3.0), 0.0}, f64));
+  }
+  const auto [h, w] = read->forward_with_weights(stream);
+  expect_close(w, at::tensor({0.25, 0.5, 0.25}, f64), kOutputTol, "weights");
+  expect_close(h, at::tensor({0.5, 2.0, 1.5}, f64), kOutputTol, "h");
+}
+
+TEST(AttnResResidual, CloneCopiesTheParameters) {
+  attnres::AttnResResidual read(4);
+  {
+    torch::NoGradGuard no_grad;
+    read->query.fill_(0.5);
+  }
+  const auto copy = std::dynamic_pointer_cast<attnres::AttnResResidualImpl>(read->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(at::equal(copy->query, read->query));
+  EXPECT_FALSE(copy->query.is_same(read->query));
+  EXPECT_EQ(parameter_names(*copy), parameter_names(*read));
+}
+
+TEST(AttnResResidualErrors, BadOptionsAndWidth) {
+  for (int64_t bad : {0, -1}) {
+    expect_error<c10::ValueError>([&] { attnres::AttnResResidual{bad}; },
+                                  "dim must be a positive int (the model width D), got " +
+                                      std::to_string(bad));
+  }
+  expect_error<c10::ValueError>(
+      [] { attnres::AttnResResidual(attnres::AttnResResidualOptions(8).eps(-1e-6)); },
+      "eps must be a finite number >= 0, got -1e-06");
+  expect_error<c10::ValueError>(
+      [] { attnres::AttnResResidual(attnres::AttnResResidualOptions(8).eps(INFINITY)); },
+      "eps must be a finite number >= 0");
+  attnres::DepthStream stream(at::randn({2, 8}));
+  attnres::AttnResResidual wide(16);
+  expect_error<c10::ValueError>(
+      [&] { wide(stream); },
+      "AttnResResidual has width dim = 16 but the DepthStream has width D = 8");
+}
+
+// ---- a small network: the modules vs the same network tracked by hand -------
+
+constexpr int64_t kD = 8;
+constexpr int kDepth = 7;  // sublayers; 2 and 3 do not divide it
+
+// kDepth sublayers f_l = tanh(W_l rmsnorm(h_l)), each read through its own
+// AttnResResidual, plus the final read (fp64, non-trivial queries and gains).
+struct TinyNetImpl : torch::nn::Module {
+  explicit TinyNetImpl(std::optional<int64_t> block_size) : block_size(block_size) {
+    for (int l = 0; l < kDepth; ++l) {
+      layers.push_back(register_module(
+          "layer" + std::to_string(l),
+          torch::nn::Linear(torch::nn::LinearOptions(kD, kD))));
+    }
+    for (int l = 0; l <= kDepth; ++l) {
+      reads.push_back(register_module("read" + std::to_string(l),
+                                      attnres::AttnResResidual(kD)));
+    }
+    to(at::kDouble);
+    torch::NoGradGuard no_grad;
+    for (auto& r : reads) {
+      r->query.normal_();
+      r->norm_weight.uniform_(0.5, 1.5);
+    }
+  }
+
+  at::Tensor sublayer(int l, const at::Tensor& h) {
+    return at::tanh(layers[l](h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-6)));
+  }
+
+  at::Tensor forward(const at::Tensor& emb) {
+    attnres::DepthStream stream(emb, block_size);
+    for (int l = 0; l < kDepth; ++l) stream.append(sublayer(l, reads[l](stream)));
+    return reads[kDepth](stream);
+  }
+
+  // The same network with the sources tracked by hand and read through the
+  // ATen composite (no DepthStream, no fused op).
+  at::Tensor forward_reference(const at::Tensor& emb) {
+    const int64_t S = block_size.value_or(1);
+    Tensors completed = {emb};
+    at::Tensor partial;
+    int64_t in_partial = 0;
+    auto read = [&](const attnres::AttnResResidual& r) {
+      Tensors sources = completed;
+      if (partial.defined()) sources.push_back(partial);
+      return composite(sources, r->query, r->norm_weight).first;
+    };
+    for (int l = 0; l < kDepth; ++l) {
+      const at::Tensor f = sublayer(l, read(reads[l]));
+      partial = partial.defined() ? partial + f : f;
+      if (++in_partial == S) {
+        completed.push_back(partial);
+        partial = at::Tensor();
+        in_partial = 0;
+      }
+    }
+    return read(reads[kDepth]);
+  }
+
+  std::optional<int64_t> block_size;
+  std::vector<torch::nn::Linear> layers;
+  std::vector<attnres::AttnResResidual> reads;
+};
+TORCH_MODULE(TinyNet);
+
+class TinyNetVsReference : public ::testing::TestWithParam<std::optional<int64_t>> {};
+
+TEST_P(TinyNetVsReference, OutputAndEveryGradient) {
+  at::manual_seed(0);
+  TinyNet net(GetParam());
+  const at::Tensor emb = at::randn({3, 5, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor grad_out = at::randn({3, 5, kD}, at::kDouble);
+  Tensors inputs = {emb};
+  for (const auto& p : net->parameters()) inputs.push_back(p);
+  ASSERT_EQ(inputs.size(), 1u + 2 * kDepth + 2 * (kDepth + 1));
+
+  const at::Tensor out = net(emb);
+  const Tensors grads = torch::autograd::grad({out}, inputs, {grad_out});
+  const at::Tensor ref = net->forward_reference(emb);
+  const Tensors ref_grads = torch::autograd::grad({ref}, inputs, {grad_out});
+
+  expect_close(out, ref, kOutputTol, "output");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (i == 1 + 2 * kDepth || i == 2 + 2 * kDepth) {
+      // The first read has one source (the embedding): its weight is 1 whatever
+      // the query, so its query and gain gradients are exactly zero.
+      EXPECT_EQ(grads[i].count_nonzero().item<int64_t>(), 0) << "input " << i;
+      EXPECT_EQ(ref_grads[i].count_nonzero().item<int64_t>(), 0) << "input " << i;
+      continue;
+    }
+    ASSERT_GT(ref_grads[i].abs().max().item<double>(), 0.0) << "trivial reference " << i;
+    expect_close(grads[i], ref_grads[i], kGradTol, "gradient of input " + std::to_string(i));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FullAndBlock, TinyNetVsReference,
+                         ::testing::Values(std::nullopt, 1, 2, 3),
+                         [](const ::testing::TestParamInfo<std::optional<int64_t>>& info) {
+                           return info.param ? "Block" + std::to_string(*info.param)
+                                             : std::string("Full");
+                         });
+
+TEST(TinyNet, BlockSizeOneEqualsFull) {
+  at::manual_seed(1);
+  TinyNet full(std::nullopt);
+  at::manual_seed(1);
+  TinyNet block(1);
+  const at::Tensor emb = at::randn({4, kD}, at::kDouble);
+  const at::Tensor grad_out = at::randn({4, kD}, at::kDouble);
+  const at::Tensor out_full = full(emb);
+  const at::Tensor out_block = block(emb);
+  EXPECT_TRUE(at::equal(out_full, out_block));
+  const Tensors g_full = torch::autograd::grad({out_full}, full->parameters(), {grad_out});
+  const Tensors g_block = torch::autograd::grad({out_block}, block->parameters(), {grad_out});
+  ASSERT_EQ(g_full.size(), g_block.size());
+  for (size_t i = 0; i < g_full.size(); ++i) EXPECT_TRUE(at::equal(g_full[i], g_block[i])) << i;
+}
+
+// ---- training --------------------------------------------------------------------
+
+TEST(Training, AFewAdamStepsReduceTheLoss) {
+  for (std::optional<int64_t> S : {std::optional<int64_t>(), std::optional<int64_t>(2)}) {
+    SCOPED_TRACE(S ? "Block S=2" : "Full");
+    at::manual_seed(2);
+    TinyNet net(S);
+    const at::Tensor x = at::randn({64, kD}, at::kDouble);
+    const at::Tensor target = at::sin(x.flip(-1) * 2.0);
+    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+    std::vector<double> losses;
+    for (int step = 0; step < 30; ++step) {
+      opt.zero_grad();
+      const at::Tensor loss = (net(x) - target).pow(2).mean();
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    EXPECT_LT(losses.back(), 0.7 * losses.front())
+        << "loss " << losses.front() << " -> " << losses.back();
+    // The reads learned: queries of reads with more than one source moved.
+    EXPECT_GT(net->reads[kDepth]->query.grad().abs().max().item<double>(), 0.0);
+  }
+}
+
+}  // namespace
