@@ -88,7 +88,8 @@ print(f"smoke check: {bad} failure(s)")
 PY
   fi
 
-  local left=$(( TOTAL_S - $(elapsed) ))
+  # The compute-sanitizer stage after it keeps its SANITIZE_S (60 s).
+  local left=$(( TOTAL_S - ${SANITIZE_S:-60} - $(elapsed) ))
   echo "== benchmark ($(elapsed) s elapsed, ${left} s left)"
   if [ $left -gt 40 ]; then
     timeout $(( left )) python3 benchmarks/bench.py --device cuda --budget-s $(( left - 30 ))
@@ -96,7 +97,89 @@ PY
   else
     echo "no time left for the benchmark"
   fi
+  sanitize_stage
   echo "== done in $(elapsed) s"
+}
+
+# compute-sanitizer (memcheck, racecheck) on small shapes of every kernel
+# path: sub-warp / warp / block groups, staged and unstaged backward, > 64
+# sources (overflow table), strided and misaligned rows (scalar path),
+# fp32/bf16/fp16/fp64, the rare range paths (rows near the dtype's maximum).
+# After the priority stages; at most SANITIZE_S (default 60) seconds, less
+# when the budget is spent. Outcome in the log and in
+# $RESULTS/sanitize.txt ("compute-sanitizer memcheck: ok|FAILED|...").
+sanitize_stage() {
+  local budget=${SANITIZE_S:-60}
+  local left=$(( TOTAL_S - $(elapsed) ))
+  [ $left -lt $budget ] && budget=$left
+  echo "== compute-sanitizer ($(elapsed) s elapsed, ${budget} s)"
+  local summary="$RESULTS/sanitize.txt"
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer: not installed (skipped)" | tee "$summary"
+    return 0
+  fi
+  if [ "$budget" -lt 15 ]; then
+    echo "compute-sanitizer: no time left (skipped)" | tee "$summary"
+    return 0
+  fi
+  local script="$RESULTS/sanitize_shapes.py"
+  cat > "$script" <<'PY'
+import torch, attnres
+dev = "cuda"
+cases = [  # dtype, N, T, D, layout
+    (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, staged backward
+    (torch.float32, 5, 9, 1000, "contiguous"),   # warp per token
+    (torch.float32, 3, 5, 2052, "contiguous"),   # block mode, 2 tokens per CTA
+    (torch.float32, 2, 3, 16384, "contiguous"),  # widest rows
+    (torch.float32, 3, 7, 100, "strided"),       # scalar path (odd row stride)
+    (torch.float32, 3, 7, 64, "misaligned"),
+    (torch.float32, 70, 5, 16, "contiguous"),    # > 64 sources: overflow table
+    (torch.bfloat16, 9, 20, 1024, "contiguous"), # staged, several tokens per CTA
+    (torch.bfloat16, 65, 3, 1000, "contiguous"), # not staged
+    (torch.bfloat16, 3, 5, 7186, "contiguous"),  # scalar path, block mode
+    (torch.float16, 17, 6, 64, "contiguous"),
+    (torch.float64, 3, 5, 70, "contiguous"),
+]
+for dtype, n, t, d, layout in cases:
+    g = torch.Generator(device="cpu").manual_seed(n * d)
+    pd = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    def src(i):
+        big = 3e38 if (dtype in (torch.float32, torch.bfloat16) and i == 0) else 1.0  # rare range paths
+        x = ((torch.rand(t, d + 1, generator=g, dtype=torch.float64) * 2 - 1) * big).to(dtype).to(dev)
+        if layout == "strided":
+            return x[:, :d]
+        if layout == "misaligned":
+            return x.flatten()[1 : 1 + t * d].view(t, d)
+        return x[:, :d].contiguous()
+    srcs = [src(i).requires_grad_(True) for i in range(n)]
+    q = (torch.randn(d, generator=g) / d**0.5).to(pd).to(dev).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(pd).to(dev).requires_grad_(True)
+    for partial in (False, True):  # all gradients / the query and one source only
+        h, wt = attnres.depth_attention(srcs, q, w, return_weights=True)
+        wanted = [srcs[-1], q] if partial else [*srcs, q, w]
+        torch.autograd.grad((h.float().sum(), wt.sum()), wanted, allow_unused=True)
+    torch.cuda.synchronize()
+    print("ran", dtype, n, t, d, layout, flush=True)
+print("sanitize shapes: done")
+PY
+  local status=ok tool rc
+  : > "$summary"
+  for tool in memcheck racecheck; do
+    local each=$(( budget / 2 ))
+    timeout "$each" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      --log-file "$RESULTS/sanitize_$tool.log" python3 "$script" > "$RESULTS/sanitize_$tool.out" 2>&1
+    rc=$?
+    local outcome
+    case $rc in
+      0) outcome=ok ;;
+      99) outcome="FAILED (errors reported; see sanitize_$tool.log)"; status=failed ;;
+      124) outcome="TIMED OUT after ${each} s ($(grep -c '^ran' "$RESULTS/sanitize_$tool.out") shapes done)" ;;
+      *) outcome="rc=$rc (see sanitize_$tool.out)"; status=failed ;;
+    esac
+    echo "compute-sanitizer $tool: $outcome" | tee -a "$summary"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitize_$tool.log" 2>/dev/null | tail -2
+  done
+  [ "$status" = ok ]
 }
 
 run_all 2>&1 | tee "$LOG"
@@ -104,7 +187,8 @@ rc=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   cp "$LOG" "$OUT/"
-  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log"; do
+  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
+           "$RESULTS/sanitize.txt" "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out; do
     [ -f "$f" ] && cp "$f" "$OUT/"
   done
 fi

@@ -5,9 +5,36 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
+#include <string>
 
 namespace attnres {
+
+void check_dense(const at::Tensor& t, const char* name, int64_t index) {
+  if (!t.is_nested() && t.layout() == at::kStrided) return;
+  const std::string what =
+      index >= 0 ? std::string(name) + "[" + std::to_string(index) + "]" : std::string(name);
+  TORCH_CHECK_VALUE(!t.is_nested(), what,
+                    " is a nested tensor: depth_attention takes dense (strided) "
+                    "tensors; pass the components one by one or pad them");
+  TORCH_CHECK_VALUE(false, what, " has layout ", t.layout(),
+                    ": depth_attention takes dense (strided) tensors");
+}
+
+void check_dense_inputs(at::TensorList tensors, const char* name) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined()) check_dense(tensors[i], name, static_cast<int64_t>(i));
+  }
+}
+
 namespace {
+
+// The largest finite value of the accumulation dtype: eps and scale enter
+// the kernels in it, so they must be finite there too.
+double acc_max(at::ScalarType source_dtype) {
+  return source_dtype == at::kDouble ? std::numeric_limits<double>::max()
+                                     : static_cast<double>(std::numeric_limits<float>::max());
+}
 
 bool is_supported_dtype(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kBFloat16 ||
@@ -24,6 +51,7 @@ void check_parameter(const at::Tensor& p, const char* name,
                      const at::Tensor& src0, int64_t D) {
   TORCH_CHECK_VALUE(p.defined(), name, " must be a tensor of shape [D] = [", D,
                     "]");
+  check_dense(p, name);
   TORCH_CHECK_VALUE(p.dim() == 1 && p.size(0) == D, name,
                     " must have shape [D] = [", D, "], got ", p.sizes());
   TORCH_CHECK_TYPE(p.scalar_type() == src0.scalar_type() ||
@@ -57,6 +85,7 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
                     "sources must be a non-empty list of tensors [..., D]");
   const at::Tensor& src0 = sources[0];
   TORCH_CHECK_VALUE(src0.defined(), "sources[0] is an undefined tensor");
+  check_dense(src0, "sources", 0);
   TORCH_CHECK_VALUE(src0.dim() >= 1,
                     "sources must have at least one dimension [..., D], got "
                     "a 0-dim tensor");
@@ -70,6 +99,7 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   for (size_t i = 1; i < sources.size(); ++i) {
     const at::Tensor& s = sources[i];
     TORCH_CHECK_VALUE(s.defined(), "sources[", i, "] is an undefined tensor");
+    check_dense(s, "sources", static_cast<int64_t>(i));
     TORCH_CHECK_VALUE(s.sizes() == src0.sizes(), "sources[", i,
                       "] has shape ", s.sizes(), " but sources[0] has shape ",
                       src0.sizes(), ": all sources must have the same shape");
@@ -86,10 +116,18 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   if (norm_weight.has_value() && norm_weight->defined()) {
     check_parameter(*norm_weight, "norm_weight", src0, D);
   }
+  const double limit = acc_max(src0.scalar_type());
+  const char* acc_name = src0.scalar_type() == at::kDouble ? "float64" : "float32";
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0,
                     "eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(eps <= limit, "eps must be finite in ", acc_name,
+                    ", the accumulation dtype of ", src0.scalar_type(),
+                    " sources (at most ", limit, "), got ", eps);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ",
                     scale);
+  TORCH_CHECK_VALUE(std::fabs(scale) <= limit, "scale must be finite in ", acc_name,
+                    ", the accumulation dtype of ", src0.scalar_type(),
+                    " sources (|scale| at most ", limit, "), got ", scale);
 
   DepthProblem p;
   p.N = static_cast<int64_t>(sources.size());
@@ -111,6 +149,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
   DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0, scale);
   const at::Tensor& src0 = sources[0];
   if (grad_out.has_value() && grad_out->defined()) {
+    check_dense(*grad_out, "grad_out");
     TORCH_CHECK_VALUE(grad_out->sizes() == src0.sizes(),
                       "grad_out must have the sources' shape ", src0.sizes(),
                       ", got ", grad_out->sizes());
@@ -123,6 +162,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
   const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
   auto check_stat = [&](const at::Tensor& t, const char* name) {
+    check_dense(t, name);
     TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(stat_shape), name,
                       " must have shape [N, ...] = ",
                       at::IntArrayRef(stat_shape), ", got ", t.sizes());

@@ -10,6 +10,7 @@
 
 #include <vector>
 
+#include "attnres/arguments.h"
 #include "attnres/ops.h"
 
 namespace attnres {
@@ -132,6 +133,10 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_autograd(
     at::TensorList sources, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
+  // Before autograd reads the inputs' sizes (a nested tensor has none).
+  check_dense_inputs(sources, "sources");
+  check_dense(query, "query");
+  if (norm_weight.has_value() && norm_weight->defined()) check_dense(*norm_weight, "norm_weight");
   const variable_list out = DepthAttentionFunction::apply(sources, query, norm_weight, eps, scale);
   return {out[0], out[1], out[2]};
 }
@@ -141,6 +146,15 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd_
     at::TensorList sources, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
     const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+  check_dense_inputs(sources, "sources");
+  for (const auto& [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{
+                                    &grad_out, "grad_out"},
+                                {&grad_weights, "grad_weights"}, {&norm_weight, "norm_weight"}}) {
+    if (t->has_value() && (*t)->defined()) check_dense(**t, name);
+  }
+  check_dense(query, "query");
+  check_dense(rstd, "rstd");
+  check_dense(weights, "weights");
   variable_list out = DepthAttentionBackwardFunction::apply(
       grad_out, grad_weights, sources, query, norm_weight, rstd, weights, scale, output_mask);
   const size_t n = sources.size();

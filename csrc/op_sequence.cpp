@@ -26,13 +26,21 @@ std::pair<at::Tensor, at::Tensor> parameter_grads(
     const at::Tensor& z, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double scale) {
   const bool has_gain = norm_weight.has_value() && norm_weight->defined();
-  const at::Tensor zs = z.mul(scale);
-  at::Tensor grad_query =
-      (has_gain ? zs.mul(norm_weight->to(z.scalar_type())) : zs)
-          .to(query.scalar_type());
-  at::Tensor grad_gain =
-      zs.mul(query.to(z.scalar_type()))
-          .to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  const auto acc = z.scalar_type();
+  // scale multiplies the parameter first: z * scale alone can overflow where
+  // the gradient itself does not (rows near the dtype's maximum), and a zero
+  // factor then gives exactly 0 instead of 0 * inf. scale = 0: the scores
+  // do not depend on query or gain, their gradients are exactly 0.
+  at::Tensor grad_query, grad_gain;
+  if (scale == 0.0) {
+    grad_query = at::zeros_like(z);
+    grad_gain = at::zeros_like(z);
+  } else {
+    grad_query = has_gain ? z.mul(norm_weight->to(acc).mul(scale)) : z.mul(scale);
+    grad_gain = z.mul(query.to(acc).mul(scale));
+  }
+  grad_query = grad_query.to(query.scalar_type());
+  grad_gain = grad_gain.to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
   return {grad_query, grad_gain};
 }
 

@@ -109,13 +109,46 @@ void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
   dot_y = b;
 }
 
-// acc = acc * rescale + p * v (the online weighted sum of values).
+// The rescued sums of a row whose plain sums are out of range
+// (math::row_needs_rescale): sum((c v)^2) and <u, c v>, c a power of two.
+// Rare, so scalar.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_accumulate(acc_t* acc, acc_t rescale, acc_t p, const scalar_t* v,
+void row_scaled_sums(const scalar_t* v, const acc_t* u, acc_t c, int64_t D,
+                     acc_t& sumsq_c, acc_t& dot_c) {
+  acc_t a = 0, b = 0;
+  for (int64_t j = 0; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]) * c;
+    a += vj * vj;
+    b += u[j] * vj;
+  }
+  sumsq_c = a;
+  dot_c = b;
+}
+
+// rstd and score of one row: the plain sums, rescued when out of range.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
+               acc_t& r, acc_t& s) {
+  acc_t sumsq, dot_uv;
+  row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv);
+  if (!math::row_needs_rescale(sumsq, dot_uv, eps)) {
+    r = math::rstd_from_sumsq(sumsq, D, eps);
+    s = math::score(r, dot_uv);
+    return;
+  }
+  const acc_t c = math::rescale_factor(sumsq);
+  acc_t sumsq_c, dot_c;
+  row_scaled_sums(v, u, c, D, sumsq_c, dot_c);
+  math::rescaled_stats(sumsq_c, dot_c, c, D, eps, r, s);
+}
+
+// acc = acc * keep + take * v (the normalized online weighted sum).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_accumulate(acc_t* acc, acc_t keep, acc_t take, const scalar_t* v,
                     int64_t D) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  const AVec c(rescale), pv(p);
+  const AVec c(keep), pv(take);
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
     AVec vv[L::kParts];
@@ -126,7 +159,7 @@ void row_accumulate(acc_t* acc, acc_t rescale, acc_t p, const scalar_t* v,
     }
   }
   for (; j < D; ++j) {
-    acc[j] = math::online_accumulate(acc[j], rescale, p,
+    acc[j] = math::online_accumulate(acc[j], keep, take,
                                      static_cast<acc_t>(v[j]));
   }
 }
@@ -272,25 +305,23 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
           const int64_t t = t0 + k;
           const scalar_t* v = src.row(i, t);
           acc_t* acc_k = acc.data() + k * D;
-          acc_t sumsq, dot_uv;
-          row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv);
-          const acc_t r = math::rstd_from_sumsq(sumsq, D, eps);
-          const acc_t sc = math::score(r, dot_uv);
+          acc_t r, sc;
+          row_stats(v, u, D, eps, r, sc);
           rstd_p[i * T + t] = r;
           scores[i * tile + k] = sc;
           if (i == 0) {
             sm[k].init(sc);
             row_load(acc_k, v, D);  // a copy: stale NaNs must not leak in
           } else {
-            acc_t rescale, pw;
-            sm[k].push(sc, rescale, pw);
-            row_accumulate(acc_k, rescale, pw, v, D);
+            acc_t keep, take;
+            sm[k].push(sc, keep, take);
+            row_accumulate(acc_k, keep, take, v, D);
           }
         }
       }
       for (int64_t k = 0; k < n_tok; ++k) {
         const int64_t t = t0 + k;
-        row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].inv_sum(), D);
+        row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].out_factor(), D);
         for (int64_t i = 0; i < N; ++i) {
           w_p[i * T + t] = sm[k].weight(scores[i * tile + k]);
         }
@@ -311,6 +342,57 @@ constexpr int64_t kMinChunks = 64;
 int64_t parameter_grad_chunks(int64_t T, int64_t D, int64_t acc_size) {
   const int64_t most = std::max(kMinChunks, kPartialRowsBytes / (D * acc_size));
   return std::clamp<int64_t>((T + kMinChunkTokens - 1) / kMinChunkTokens, 1, most);
+}
+
+// The backward of one token in math::WideType (double for fp32
+// accumulation, long double for fp64): the rare tokens whose rows are near
+// the dtype's limits (math::backward_row_is_rare). Scalar and slow, but the
+// products <dh, v>, <u, v> and r^2 of any finite inputs fit in it.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
+                         int64_t N, int64_t D, const acc_t* dh, const acc_t* u,
+                         const acc_t* rstd_p, const acc_t* w_p,
+                         const acc_t* gw_p, const std::vector<scalar_t*>& dv_p,
+                         acc_t* z) {
+  using W = typename math::WideType<acc_t>::type;
+  std::vector<W> dp(N), sc(N);
+  math::Pivot<acc_t> pivot;
+  for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
+  for (int64_t i = 0; i < N; ++i) {
+    const scalar_t* v = src.row(i, t);
+    W dot_dh = 0, dot_u = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const W vd = static_cast<W>(static_cast<acc_t>(v[d]));
+      dot_dh += static_cast<W>(dh[d]) * vd;
+      dot_u += static_cast<W>(u[d]) * vd;
+    }
+    if (gw_p) dot_dh += static_cast<W>(gw_p[i * T + t]);
+    dp[i] = dot_dh;
+    sc[i] = math::score(static_cast<W>(rstd_p[i * T + t]), dot_u);
+  }
+  // The pivoted form when a weight dominates (depth_math.h).
+  const int64_t piv = pivot.pivoted() ? pivot.index : -1;
+  const W dp_pivot = piv >= 0 ? dp[piv] : W(0);
+  W sum_rel = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    if (j != piv) sum_rel += static_cast<W>(w_p[j * T + t]) * (dp[j] - dp_pivot);
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    if (!dv_p[i] && !z) continue;
+    const scalar_t* v = src.row(i, t);
+    const auto g = math::source_grad_coefficients<W>(
+        static_cast<W>(w_p[i * T + t]), static_cast<W>(rstd_p[i * T + t]), sc[i],
+        dp[i] - dp_pivot, sum_rel, D);
+    scalar_t* dv = dv_p[i] ? dv_p[i] + t * D : nullptr;
+    for (int64_t d = 0; d < D; ++d) {
+      const W vd = static_cast<W>(static_cast<acc_t>(v[d]));
+      if (dv) {
+        dv[d] = static_cast<scalar_t>(static_cast<acc_t>(math::source_grad(
+            g.a, static_cast<W>(dh[d]), g.alpha, static_cast<W>(u[d]), g.beta, vd)));
+      }
+      if (z) z[d] += static_cast<acc_t>(g.alpha * vd);
+    }
+  }
 }
 
 template <typename scalar_t>
@@ -345,7 +427,9 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
 
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
-    std::vector<acc_t> dp(N * tile), sc(N * tile), sum_a_dp(tile);
+    std::vector<acc_t> dp(N * tile), sc(N * tile), sum_rel(tile), dp_pivot(tile);
+    std::vector<math::SourceGrad<acc_t>> coef(N * tile);
+    std::vector<char> rare(tile);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
@@ -353,7 +437,6 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
         for (int64_t k = 0; k < n_tok; ++k) {
           row_load(dh.data() + k * D, dh_p + (t0 + k) * dh_rows.row_stride, D);
-          sum_a_dp[k] = 0;
         }
         // Pass 1: dp_i = <dh, v_i> (+ grad_weights_i), s_i = r_i <u, v_i>.
         for (int64_t i = 0; i < N; ++i) {
@@ -365,7 +448,34 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
             if (gw_p) dot_dh += gw_p[i * T + t];
             dp[i * tile + k] = dot_dh;
             sc[i * tile + k] = math::score(rstd_p[i * T + t], dot_u);
-            sum_a_dp[k] += w_p[i * T + t] * dot_dh;
+          }
+        }
+        // sum_j a_j dp_j, in the pivoted form when a weight dominates
+        // (depth_math.h; otherwise the plain sum, pivot dp 0).
+        for (int64_t k = 0; k < n_tok; ++k) {
+          const int64_t t = t0 + k;
+          math::Pivot<acc_t> pivot;
+          for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
+          const int64_t piv = pivot.pivoted() ? pivot.index : -1;
+          const acc_t d_p = piv >= 0 ? dp[piv * tile + k] : acc_t(0);
+          acc_t sum = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            if (j != piv) sum += w_p[j * T + t] * (dp[j * tile + k] - d_p);
+          }
+          dp_pivot[k] = d_p;
+          sum_rel[k] = sum;
+          rare[k] = 0;
+        }
+        // The coefficients, and the rare tokens (rows near the dtype's
+        // limits), which are recomputed in a wider type below.
+        for (int64_t i = 0; i < N; ++i) {
+          for (int64_t k = 0; k < n_tok; ++k) {
+            const int64_t t = t0 + k;
+            const acc_t a = w_p[i * T + t], r = rstd_p[i * T + t];
+            const acc_t dp_rel = dp[i * tile + k] - dp_pivot[k];
+            auto& g = coef[i * tile + k];
+            g = math::source_grad_coefficients(a, r, sc[i * tile + k], dp_rel, sum_rel[k], D);
+            rare[k] |= math::backward_row_is_rare(a, r, sc[i * tile + k], dp_rel, sum_rel[k], g);
           }
         }
         // Pass 2: the wanted source gradients, each written once (rows
@@ -373,13 +483,16 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
         for (int64_t i = 0; i < N; ++i) {
           if (!dv_p[i] && !want_z) continue;
           for (int64_t k = 0; k < n_tok; ++k) {
+            if (rare[k]) continue;
             const int64_t t = t0 + k;
-            const auto g = math::source_grad_coefficients(
-                w_p[i * T + t], rstd_p[i * T + t], sc[i * tile + k],
-                dp[i * tile + k], sum_a_dp[k], D);
             row_wanted_grads(dv_p[i] ? dv_p[i] + t * D : nullptr, src.row(i, t),
-                             dh.data() + k * D, u, g, z, D);
+                             dh.data() + k * D, u, coef[i * tile + k], z, D);
           }
+        }
+        for (int64_t k = 0; k < n_tok; ++k) {
+          if (!rare[k]) continue;
+          backward_token_wide(src, t0 + k, T, N, D, dh.data() + k * D, u, rstd_p,
+                              w_p, gw_p, dv_p, z);
         }
       }
     }

@@ -18,12 +18,21 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnres/depth_math.h"
 #include "launch.h"
 
 // The dynamic shared memory of a CTA. The CPU emulation of these kernels
 // (tests/cuda_emulation/cuda_runtime.h) defines its own version first.
+// Rare paths are kept out of line so that their registers do not join the
+// fast path's allocation.
+#if defined(__CUDACC__)
+#define ATTNRES_NOINLINE __noinline__
+#else
+#define ATTNRES_NOINLINE __attribute__((noinline))
+#endif
+
 #ifndef ATTNRES_DYNAMIC_SMEM
 #define ATTNRES_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
@@ -224,6 +233,52 @@ __device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
   }
 }
 
+// group_allreduce for the backward's rare tokens in double (WideType), with
+// the reduction buffer `red` (any type, 16-byte aligned, at least
+// kMaxWarps * NV doubles) used as doubles. Rare path: it brackets its use of
+// `red` with barriers instead of relying on the parity trick.
+template <int NV>
+__device__ __forceinline__ void group_allreduce_wide(double (&v)[NV], int G, void* red) {
+  static_assert(NV * kMaxWarps * sizeof(double) <=
+                    2 * kMaxWarps * kMaxReduce * sizeof(float),
+                "reduction buffer too small for the wide reduction");
+  const int width = G < 32 ? G : 32;
+  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+  }
+  if (G > 32) {
+    double* buf = static_cast<double*>(red);
+    __syncthreads();  // earlier readers of red are done
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) buf[warp * NV + j] = v[j];
+    }
+    __syncthreads();
+    const int warps_per_group = G >> 5;
+    const int first = (threadIdx.x / G) * warps_per_group;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      double s = buf[first * NV + j];
+      for (int w = 1; w < warps_per_group; ++w) s += buf[(first + w) * NV + j];
+      v[j] = s;
+    }
+    __syncthreads();  // before red is reused
+  }
+}
+
+// Whether any group that shares reductions with this thread has `flag` set:
+// its warp (G <= 32: the reductions are shuffles within the warp) or its CTA
+// (G > 32: they synchronize the CTA). The rare paths below run when it is
+// true, so every thread that takes part in their reductions is there. One
+// vote per token; with one group per CTA the flag is already uniform.
+__device__ __forceinline__ bool reduction_peers_any(bool flag, int G, int tokens_per_cta) {
+  if (G <= 32) return __any_sync(0xffffffffu, flag);
+  if (tokens_per_cta == 1) return flag;
+  return __syncthreads_or(flag ? 1 : 0) != 0;
+}
+
 // 16-byte asynchronous global->shared copy (sm_80+); a plain copy elsewhere.
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -298,6 +353,177 @@ struct ThreadPlace {
 };
 
 // ---------------------------------------------------------------------------
+// Forward pieces shared by the kernel's fast path and its rare rescue.
+
+// Stores h and turns the parked scores into weights (token t).
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ void forward_store_token(
+    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const at::opmath_type<scalar_t> (&acc)[VPT][VEC],
+    const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  const acc_t f = sm.out_factor();
+  scalar_t* out_row = p.out + t * static_cast<int64_t>(pos.D);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = (k * pos.G + pos.lane) * VEC;
+    if (c < pos.D) {
+      Row o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o.x[e] = static_cast<scalar_t>(acc[k][e] * f);
+      store_global<scalar_t, VEC>(out_row + c, o);
+    }
+  }
+  for (int i = pos.lane; i < pos.N; i += pos.G) {
+    const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+    p.weights[idx] = sm.weight(p.weights[idx]);
+  }
+}
+
+// Folds source i (score s, row in registers) into the token's softmax and
+// normalized weighted sum.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ void forward_fold_row(
+    int i, at::opmath_type<scalar_t> s, const Pack<scalar_t, VEC> (&row)[VPT],
+    at::opmath_type<scalar_t> (&acc)[VPT][VEC],
+    math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (i == 0) {
+    sm.init(s);  // acc starts as a copy of v_0, as on the CPU
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[k][e] = static_cast<acc_t>(row[k].x[e]);
+    }
+  } else {
+    acc_t keep, take;
+    sm.push(s, keep, take);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        acc[k][e] = math::online_accumulate(acc[k][e], keep, take,
+                                            static_cast<acc_t>(row[k].x[e]));
+      }
+    }
+  }
+}
+
+// Synchronizes the threads that voted together (reduction_peers_any): the
+// warp (G <= 32) or the CTA. Orders their global memory accesses too.
+__device__ __forceinline__ void sync_reduction_peers(int G) {
+  if (G <= 32) {
+    __syncwarp();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The rare rescue of token t (docs/design.md §8), called by every thread
+// that voted with this one: the rows' rstd and scores again, with the
+// rescued sums (row scaled by a power of two) where the plain sums are out
+// of range; then, when `store`, h from the weights, one pack at a time.
+// Rows are streamed from memory and nothing but one pack is accumulated,
+// so it adds no register pressure to the fast path. Returns the parity.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t>& p,
+                                                    const ThreadPlace& pos, int64_t t, bool store,
+                                                    at::opmath_type<scalar_t>* red, int parity) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  math::OnlineSoftmax<acc_t> sm;
+  sm.m = acc_t(0);
+  sm.l = acc_t(1);
+  for (int i = 0; i < pos.N; ++i) {
+    const scalar_t* src = source_row<scalar_t>(p.table, p.overflow, i, t);
+    // The plain sums in row_dots' order (the same bits as the fast path),
+    // then the rescued ones.
+    acc_t sums[2] = {acc_t(0), acc_t(0)};
+#pragma unroll 1
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) {
+        const Row v = load_global<scalar_t, VEC>(src + c);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t x = static_cast<acc_t>(v.x[e]);
+          sums[0] += x * x;
+          sums[1] += p.u[c + e] * x;
+        }
+      }
+    }
+    group_allreduce<2>(sums, pos.G, red, parity);
+    const bool need = math::row_needs_rescale(sums[0], sums[1], p.eps);
+    const acc_t scale = need ? math::rescale_factor(sums[0]) : acc_t(1);
+    acc_t scaled[2] = {acc_t(0), acc_t(0)};
+#pragma unroll 1
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) {
+        const Row v = load_global<scalar_t, VEC>(src + c);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t x = static_cast<acc_t>(v.x[e]) * scale;
+          scaled[0] += x * x;
+          scaled[1] += p.u[c + e] * x;
+        }
+      }
+    }
+    group_allreduce<2>(scaled, pos.G, red, parity);
+    acc_t r, sc;
+    if (need) {
+      math::rescaled_stats(scaled[0], scaled[1], scale, static_cast<int64_t>(pos.D), p.eps, r, sc);
+    } else {
+      r = math::rstd_from_sumsq(sums[0], pos.D, p.eps);
+      sc = math::score(r, sums[1]);
+    }
+    if (store && pos.lane == i % pos.G) {
+      const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+      p.rstd[idx] = r;
+      p.weights[idx] = sc;  // parked: read back below
+    }
+    if (i == 0) {
+      sm.init(sc);
+    } else {
+      acc_t keep, take;
+      sm.push(sc, keep, take);
+    }
+  }
+  sync_reduction_peers(pos.G);  // the parked scores are visible
+  if (store) {
+    const acc_t f = sm.out_factor();
+    scalar_t* out_row = p.out + t * static_cast<int64_t>(pos.D);
+#pragma unroll 1
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c >= pos.D) continue;
+      acc_t acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = acc_t(0);
+      for (int i = 0; i < pos.N; ++i) {
+        const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * pos.T + t]);
+        const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += w * static_cast<acc_t>(v.x[e]);
+      }
+      Row o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o.x[e] = static_cast<scalar_t>(acc[e] * f);
+      store_global<scalar_t, VEC>(out_row + c, o);
+    }
+  }
+  sync_reduction_peers(pos.G);  // every read of the parked scores is done
+  if (store) {
+    for (int i = pos.lane; i < pos.N; i += pos.G) {
+      const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+      p.weights[idx] = sm.weight(p.weights[idx]);
+    }
+  }
+  return parity;
+}
+
+// ---------------------------------------------------------------------------
 // Forward: one pass over the sources with an online softmax; each source row
 // is read from global memory exactly once.
 template <typename scalar_t, int VEC, int VPT>
@@ -306,7 +532,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
-  __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
+  __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
 
   const ThreadPlace pos(p);
   int parity = 0;
@@ -322,6 +548,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     math::OnlineSoftmax<acc_t> sm;
     sm.m = acc_t(0);
     sm.l = acc_t(1);
+    bool rescue = false;  // a row's plain sums are out of range (group-uniform)
 
     // Software pipeline (when registers allow): the next batch's loads are
     // issued before this batch's reduction, so they are in flight while it
@@ -357,6 +584,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (i < pos.N) {
           const acc_t r = math::rstd_from_sumsq(sums[2 * j], pos.D, p.eps);
           const acc_t s = math::score(r, sums[2 * j + 1]);
+          rescue = rescue || math::row_needs_rescale(sums[2 * j], sums[2 * j + 1], p.eps);
           // The score is parked in `weights` by the lane that will turn it
           // into a weight once the softmax is complete (same thread: no
           // synchronization needed).
@@ -365,53 +593,52 @@ __global__ void __launch_bounds__(kMaxThreads)
             p.rstd[idx] = r;
             p.weights[idx] = s;
           }
-          if (i == 0) {
-            sm.init(s);  // acc starts as a copy of v_0, as on the CPU
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) {
-                acc[k][e] = static_cast<acc_t>(rows[j][k].x[e]);
-              }
-            }
-          } else {
-            acc_t rescale, pw;
-            sm.push(s, rescale, pw);
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) {
-                acc[k][e] = math::online_accumulate(
-                    acc[k][e], rescale, pw,
-                    static_cast<acc_t>(rows[j][k].x[e]));
-              }
-            }
-          }
+          forward_fold_row<scalar_t, VEC, VPT>(i, s, rows[j], acc, sm);
         }
       }
     }
 
-    if (active) {
-      const acc_t inv = sm.inv_sum();
-      scalar_t* out_row = p.out + t * static_cast<int64_t>(pos.D);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = (k * pos.G + pos.lane) * VEC;
-        if (c < pos.D) {
-          Row o;
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            o.x[e] = static_cast<scalar_t>(acc[k][e] * inv);
-          }
-          store_global<scalar_t, VEC>(out_row + c, o);
-        }
-      }
-      for (int i = pos.lane; i < pos.N; i += pos.G) {
-        const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
-        p.weights[idx] = sm.weight(p.weights[idx]);
-      }
+    if (active && !rescue) forward_store_token<scalar_t, VEC, VPT>(p, pos, t, acc, sm);
+
+    // Rare: a row of some token of this warp/CTA is out of range
+    // (math::row_needs_rescale): that token is computed again.
+    if (reduction_peers_any(rescue, pos.G, p.tokens_per_cta)) {
+      parity = forward_token_rescue<scalar_t, VEC, VPT>(p, pos, t, rescue && active, red, parity);
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// Backward rare path (docs/design.md §8): it reads the rows (staged or
+// global) and dh from memory one pack at a time and adds its query/gain
+// gradient terms to the CTA's partial row in global memory, so it holds no
+// registers across the fast path's (the row batches, dh and z stay where
+// they are).
+
+// This thread's element (k, e) of row i of token t, or 0 past D.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch(const BackwardParams<scalar_t>& p,
+                                                          const ThreadPlace& pos, int i,
+                                                          int64_t t, int k) {
+  using Row = Pack<scalar_t, VEC>;
+  const int c = (k * pos.G + pos.lane) * VEC;
+  if (c >= pos.D) return zero_pack<scalar_t, VEC>();
+  if (p.stage) {
+    ATTNRES_DYNAMIC_SMEM(dynamic_smem);
+    const Row* stage = reinterpret_cast<const Row*>(dynamic_smem) +
+                       static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
+    return stage[(i * VPT + k) * pos.G + pos.lane];
+  }
+  return load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+}
+
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(const BackwardParams<scalar_t>& p,
+                                                             const ThreadPlace& pos, int64_t t,
+                                                             int k) {
+  const int c = (k * pos.G + pos.lane) * VEC;
+  if (c >= pos.D) return zero_pack<scalar_t, VEC>();
+  return load_global<scalar_t, VEC>(p.grad_out + t * p.grad_out_stride + c);
 }
 
 // ---------------------------------------------------------------------------
@@ -431,8 +658,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
   using Acc = Pack<acc_t, VEC>;
+  using Wide = typename math::WideType<acc_t>::type;
+  // fp64 sources have no wider type on the device: no rare path there
+  // (docs/design.md §8 states the limit).
+  constexpr bool kHasRarePath = !std::is_same<Wide, acc_t>::value;
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
-  __shared__ acc_t red[2 * kMaxWarps * kMaxReduce];
+  __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
   ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
   const ThreadPlace pos(p);
@@ -449,6 +680,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
+  // Whether rare terms were added to this CTA's z partial row in global
+  // memory (CTA-uniform); the registers are then added to it at the end.
+  bool z_row_started = false;
   auto copy_rows = [](Row (&dst)[SU][VPT], const Row (&src)[SU][VPT]) {
 #pragma unroll
     for (int j = 0; j < SU; ++j) {
@@ -511,12 +745,14 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (p.stage) copy_async_commit_and_wait();
 
     // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
-    // current one is used when registers allow (kPrefetch).
+    // current one is used when registers allow (kPrefetch). (The CPU
+    // kernels use the pivoted form of depth_math.h when a weight dominates;
+    // here it cost registers in the widest tiles, so the plain form stays:
+    // docs/design.md §8.)
     Row next[SU][VPT];
     if constexpr (kPrefetch) fetch_rows(0, t, next);
     acc_t sum_a_dp[1] = {acc_t(0)};
-    for (int i0 = 0; i0 < pos.N; i0 += SU) {
-      Row rows[SU][VPT];
+    for (int i0 = 0; i0 < pos.N; i0 += SU) {      Row rows[SU][VPT];
       if constexpr (kPrefetch) {
         copy_rows(rows, next);
         if (i0 + SU < pos.N) fetch_rows(i0 + SU, t, next);
@@ -539,6 +775,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     group_allreduce<1>(sum_a_dp, pos.G, red, parity);
 
     // Pass 2, last batch first.
+    bool rare = false;  // a row of this token is near the dtype's limits
     const int n_batches = (pos.N + SU - 1) / SU;
     if constexpr (kPrefetch) fetch_rows((n_batches - 1) * SU, t, next);
     for (int b = n_batches - 1; b >= 0; --b) {
@@ -562,9 +799,13 @@ __global__ void __launch_bounds__(kMaxThreads)
           const acc_t a = p.weights[idx];
           const acc_t r = p.rstd[idx];
           const acc_t s = math::score(r, sums[2 * j + 1]);
+          const acc_t dp = sums[2 * j] + weight_grad(p, idx);
           const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
-              a, r, s, sums[2 * j] + weight_grad(p, idx), sum_a_dp[0],
-              static_cast<int64_t>(pos.D));
+              a, r, s, dp, sum_a_dp[0], static_cast<int64_t>(pos.D));
+          if (kHasRarePath && math::backward_row_is_rare(a, r, s, dp, sum_a_dp[0], g)) {
+            rare = true;  // done by the rare path below
+            continue;
+          }
           scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, pos.D);
 #pragma unroll
           for (int k = 0; k < VPT; ++k) {
@@ -586,18 +827,125 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
       }
     }
+
+    // Rare: some row of a token of this CTA is near the dtype's limits
+    // (math::backward_row_is_rare: <dh, v>, <u, v> or sum_j a_j dp_j
+    // overflowed, or alpha / beta lost bits to underflow). The rows the
+    // fast path skipped are done again with their sums, coefficients and
+    // elementwise products in double. CTA-wide vote: the rare terms of z go
+    // to this CTA's partial row in global memory, one group after another
+    // (a fixed order: deterministic), and the fast path's registers are
+    // added to them at the end.
+    if constexpr (kHasRarePath) {
+      if (__syncthreads_or(rare ? 1 : 0)) {
+        double wide_sum[1] = {0.0};  // sum_j a_j dp_j in double
+        for (int i = 0; i < pos.N; ++i) {
+          double dp = 0.0;
+#pragma unroll 1
+          for (int k = 0; k < VPT; ++k) {
+            const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
+            const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              dp += static_cast<double>(static_cast<acc_t>(g.x[e])) *
+                    static_cast<double>(static_cast<acc_t>(v.x[e]));
+            }
+          }
+          const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+          if (pos.lane == 0) dp += static_cast<double>(weight_grad(p, idx));
+          wide_sum[0] += static_cast<double>(p.weights[idx]) * dp;
+        }
+        group_allreduce_wide<1>(wide_sum, pos.G, red);
+        acc_t* z_row = p.z_partial ? p.z_partial + static_cast<int64_t>(blockIdx.x) * pos.D : nullptr;
+        if (z_row && !z_row_started) {
+          for (int d = threadIdx.x; d < pos.D; d += blockDim.x) z_row[d] = acc_t(0);
+          z_row_started = true;
+          __syncthreads();  // zeroed before any group adds to it
+        }
+        for (int i = 0; i < pos.N; ++i) {
+          // The fast path's sums in row_dots' order (the same bits: whether
+          // it skipped this row), and the same sums in double.
+          acc_t sums[2] = {acc_t(0), acc_t(0)};
+          double wide[2] = {0.0, 0.0};
+#pragma unroll 1
+          for (int k = 0; k < VPT; ++k) {
+            const int c = (k * pos.G + pos.lane) * VEC;
+            if (c < pos.D) {
+              const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
+              const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                const acc_t x = static_cast<acc_t>(v.x[e]);
+                const acc_t gx = static_cast<acc_t>(g.x[e]);
+                sums[0] += gx * x;
+                sums[1] += p.u[c + e] * x;
+                wide[0] += static_cast<double>(gx) * static_cast<double>(x);
+                wide[1] += static_cast<double>(p.u[c + e]) * static_cast<double>(x);
+              }
+            }
+          }
+          group_allreduce<2>(sums, pos.G, red, parity);
+          group_allreduce_wide<2>(wide, pos.G, red);
+          const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+          bool apply = false;
+          math::SourceGrad<double> gw{0.0, 0.0, 0.0};
+          if (rare && active) {
+            const acc_t a = p.weights[idx];
+            const acc_t r = p.rstd[idx];
+            const acc_t dp = sums[0] + weight_grad(p, idx);
+            const acc_t s = math::score(r, sums[1]);
+            const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
+                a, r, s, dp, sum_a_dp[0], static_cast<int64_t>(pos.D));
+            apply = math::backward_row_is_rare(a, r, s, dp, sum_a_dp[0], g);
+            if (apply) {
+              gw = math::source_grad_coefficients<double>(
+                  a, r, math::score<double>(r, wide[1]),
+                  wide[0] + static_cast<double>(weight_grad(p, idx)), wide_sum[0],
+                  static_cast<int64_t>(pos.D));
+            }
+          }
+          scalar_t* out_row = grad_row<scalar_t>(p.table, p.overflow, i, t, pos.D);
+          // One group after another: they add to the same z_row columns.
+          for (int grp = 0; grp < p.tokens_per_cta; ++grp) {
+            if (apply && pos.group == grp) {
+#pragma unroll 1
+              for (int k = 0; k < VPT; ++k) {
+                const int c = (k * pos.G + pos.lane) * VEC;
+                if (c >= pos.D) continue;
+                const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
+                const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+                Row o;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                  const double x = static_cast<acc_t>(v.x[e]);
+                  o.x[e] = static_cast<scalar_t>(static_cast<acc_t>(math::source_grad<double>(
+                      gw.a, static_cast<acc_t>(g.x[e]), gw.alpha, p.u[c + e], gw.beta, x)));
+                  if (z_row) z_row[c + e] += static_cast<acc_t>(gw.alpha * x);
+                }
+                if (out_row) store_global<scalar_t, VEC>(out_row + c, o);
+              }
+            }
+            __syncthreads();
+          }
+        }
+      }
+    }
   }
 
   // This CTA's partial of z: the groups' registers summed in group order.
   if (p.z_partial == nullptr) return;  // no query/gain gradient wanted
   acc_t* z_row = p.z_partial + static_cast<int64_t>(blockIdx.x) * pos.D;
   if (p.tokens_per_cta == 1) {
+    // (rare terms, when any, were written by this CTA's threads before a
+    // barrier: z_row_started is CTA-uniform)
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = (k * pos.G + pos.lane) * VEC;
       if (c < pos.D) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) z_row[c + e] = z[k][e];
+        for (int e = 0; e < VEC; ++e) {
+          z_row[c + e] = z_row_started ? z_row[c + e] + z[k][e] : z[k][e];
+        }
       }
     }
     return;
@@ -619,7 +967,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     __syncthreads();
   }
-  for (int d = threadIdx.x; d < pos.D; d += blockDim.x) z_row[d] = z_sum[d];
+  for (int d = threadIdx.x; d < pos.D; d += blockDim.x) {
+    z_row[d] = z_row_started ? z_row[d] + z_sum[d] : z_sum[d];
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ wrapper checks nothing again; while tracing, the fake kernels run
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -16,6 +17,13 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.attnres.*)
 
 _SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# c10's names of the dtypes, as the C++ messages print them.
+_DTYPE_NAMES = {
+    torch.float64: "Double",
+    torch.float32: "Float",
+    torch.bfloat16: "BFloat16",
+    torch.float16: "Half",
+}
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -23,9 +31,33 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT64_MAX = torch.finfo(torch.float64).max
+
+
+def _check_dense(t: torch.Tensor, name: str) -> None:
+    """Nested and sparse tensors: a message naming the argument (not an
+    internal error from their missing sizes or strides)."""
+    if t.is_nested:
+        raise ValueError(
+            f"{name} is a nested tensor: depth_attention takes dense (strided) tensors; "
+            "pass the components one by one or pad them"
+        )
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} has layout {t.layout}: depth_attention takes dense (strided) tensors")
+
+
+def _check_number(value, name: str) -> None:
+    # bool is an int, but True as eps is a bug, not a number. SymInt/SymFloat
+    # (dynamic shapes under torch.compile) are numbers.
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
 def _check_parameter(p, name: str, src0: torch.Tensor, D: int) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape [D] = [{D}], got {type(p).__name__}")
+    _check_dense(p, name)
     if p.dim() != 1 or p.shape[0] != D:
         raise ValueError(f"{name} must have shape [D] = [{D}], got {list(p.shape)}")
     if not (p.dtype == src0.dtype or (p.dtype == torch.float32 and src0.dtype in _REDUCED)):
@@ -44,6 +76,7 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     src0 = sources[0]
     if not isinstance(src0, torch.Tensor):
         raise TypeError(f"sources[0] must be a tensor, got {type(src0).__name__}")
+    _check_dense(src0, "sources[0]")
     if src0.dim() < 1:
         raise ValueError("sources must have at least one dimension [..., D], got a 0-dim tensor")
     if src0.dtype not in _SUPPORTED:
@@ -54,6 +87,7 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     for i, s in enumerate(sources[1:], start=1):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"sources[{i}] must be a tensor, got {type(s).__name__}")
+        _check_dense(s, f"sources[{i}]")
         if s.shape != src0.shape:
             raise ValueError(
                 f"sources[{i}] has shape {list(s.shape)} but sources[0] has shape "
@@ -72,10 +106,27 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     _check_parameter(query, "query", src0, D)
     if norm_weight is not None:
         _check_parameter(norm_weight, "norm_weight", src0, D)
+    _check_number(eps, "eps")
+    _check_number(scale, "scale")
     if not (eps >= 0.0 and eps != float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale}")
+    # eps and scale enter the kernels in the accumulation dtype.
+    limit, acc_name = (
+        (_FLOAT64_MAX, "float64") if src0.dtype == torch.float64 else (_FLOAT32_MAX, "float32")
+    )
+    src_name = _DTYPE_NAMES.get(src0.dtype, str(src0.dtype))
+    if eps > limit:
+        raise ValueError(
+            f"eps must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
+            f"(at most {limit:g}), got {eps}"
+        )
+    if abs(scale) > limit:
+        raise ValueError(
+            f"scale must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
+            f"(|scale| at most {limit:g}), got {scale}"
+        )
 
 
 @torch.library.register_fake("attnres::depth_attention_fwd")
@@ -96,6 +147,7 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rst
     check_args(sources, query, norm_weight, 0.0, scale)
     src0 = sources[0]
     if grad_out is not None:
+        _check_dense(grad_out, "grad_out")
         if grad_out.shape != src0.shape:
             raise ValueError(
                 f"grad_out must have the sources' shape {list(src0.shape)}, got {list(grad_out.shape)}"
@@ -109,6 +161,7 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rst
     for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
         if t is None and name == "grad_weights":
             continue
+        _check_dense(t, name)
         if list(t.shape) != stat_shape:
             raise ValueError(f"{name} must have shape [N, ...] = {stat_shape}, got {list(t.shape)}")
         if t.dtype != acc:
@@ -145,9 +198,22 @@ def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weigh
 
 
 def _as_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """eps/scale as the op's float, or a TypeError that names the argument
+    (None, a string, a tensor: never a bare comparison error later)."""
+    if type(value) is float:  # the common case, without the ABC check
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
+
+
+def _explain_not_implemented(sources, query, norm_weight) -> None:
+    for i, s in enumerate(sources):
+        if isinstance(s, torch.Tensor):
+            _check_dense(s, f"sources[{i}]")
+    for name, t in (("query", query), ("norm_weight", norm_weight)):
+        if isinstance(t, torch.Tensor):
+            _check_dense(t, name)
 
 
 def depth_attention(
@@ -175,10 +241,18 @@ def depth_attention(
                 f"a stacked sources tensor must have shape [N, ..., D], got {list(sources.shape)}"
             )
         sources = sources.unbind(0)
+    sources = list(sources)
+    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     # The op checks everything else, once, in C++.
-    h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
-        list(sources), query, norm_weight, _as_float(eps, "eps"), _as_float(scale, "scale")
-    )
+    try:
+        h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
+            sources, query, norm_weight, eps_f, scale_f
+        )
+    except NotImplementedError:
+        # No kernel for this kind of tensor (sparse, jagged nested, another
+        # subclass): name the argument. Only on this failure path.
+        _explain_not_implemented(sources, query, norm_weight)
+        raise
     if return_weights:
         return h, weights.to(torch.float32)
     return h

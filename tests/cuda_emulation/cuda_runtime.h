@@ -30,7 +30,7 @@ using cudaStream_t = struct CUstream_st*;
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 // The CTA's dynamic shared memory: a buffer that emu::launch sizes.
 #define ATTNRES_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem()
 
@@ -63,6 +63,36 @@ T __shfl_xor_sync(unsigned /*mask: the kernels always use the full warp*/, T val
   const T other = static_cast<T>(b.exchange[tid ^ static_cast<unsigned>(lane_mask)]);
   b.warp_barriers[tid / 32]->arrive_and_wait();
   return other;
+}
+
+// Warp barrier (the kernels use it with the full warp).
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
+  emu::block_state->warp_barriers[threadIdx.x / 32]->arrive_and_wait();
+}
+
+// Warp vote: every lane of the warp gets whether any lane's predicate is
+// true (the kernels always vote with the full warp).
+inline bool __any_sync(unsigned /*mask*/, bool pred) {
+  emu::BlockState& b = *emu::block_state;
+  const unsigned tid = threadIdx.x;
+  b.exchange[tid] = pred ? 1.0 : 0.0;
+  b.warp_barriers[tid / 32]->arrive_and_wait();
+  bool any = false;
+  for (unsigned l = tid / 32 * 32; l < tid / 32 * 32 + 32; ++l) any = any || b.exchange[l] != 0.0;
+  b.warp_barriers[tid / 32]->arrive_and_wait();
+  return any;
+}
+
+// Block barrier that also returns whether any thread's predicate is non-zero.
+inline int __syncthreads_or(int pred) {
+  emu::BlockState& b = *emu::block_state;
+  const unsigned tid = threadIdx.x;
+  b.exchange[tid] = pred != 0 ? 1.0 : 0.0;
+  b.block_barrier->arrive_and_wait();
+  bool any = false;
+  for (double x : b.exchange) any = any || x != 0.0;
+  b.block_barrier->arrive_and_wait();
+  return any ? 1 : 0;
 }
 
 namespace emu {

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
@@ -76,17 +77,43 @@ struct Case {
   int64_t grid_cap;  // fewer CTAs than token blocks: exercises the token loop
   bool weight_grads = false;  // a gradient reaches the weights too
   bool partial = false;       // source 0's and the query/gain gradients not wanted
+  // Range cases (docs/design.md §8): sources uniform in [-1, 1] times
+  // magnitude[i % size] (empty: the default normal values), eps, and a NaN
+  // query element (every output must then be NaN, as softmax gives).
+  std::vector<double> magnitude = {};
+  double eps = 1e-6;
+  bool nan_query = false;
+  double dh_scale = 1.0;  // small dh keeps the query gradient representable
 };
 
+// Relative error of the norms, both divided by max|want| first (values
+// near the dtype's maximum must not overflow the squares).
 double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double m = 0;
+  for (double w : want) m = std::max(m, std::fabs(w));
+  if (!(m > 0) || std::isinf(m)) m = 1;
   double num = 0, den = 0;
   for (size_t k = 0; k < got.size(); ++k) {
-    const double d = got[k] - want[k];
+    const double d = got[k] / m - want[k] / m;
     num += d * d;
-    den += want[k] * want[k];
+    den += (want[k] / m) * (want[k] / m);
   }
   if (std::isnan(num)) return INFINITY;
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+// rel_err over the entries whose true value is representable (|want| <=
+// limit): a true gradient beyond the dtype's maximum is legitimately inf.
+double rel_err_representable(const std::vector<double>& got, const std::vector<double>& want,
+                             double limit) {
+  std::vector<double> g, w;
+  for (size_t k = 0; k < want.size(); ++k) {
+    if (std::fabs(want[k]) <= limit) {
+      g.push_back(got[k]);
+      w.push_back(want[k]);
+    }
+  }
+  return rel_err(g, w);
 }
 
 template <typename scalar_t>
@@ -97,13 +124,18 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   const int64_t T = c.T;
   const int64_t stride = D + c.extra_stride;
   const int offset = c.misaligned ? 1 : 0;
-  const double eps = 1e-6, scale = 0.8;
+  const double eps = c.eps, scale = 0.8;
   std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
 
   // Inputs, rounded to scalar_t; the reference uses the rounded values.
   std::vector<std::vector<scalar_t>> src(N, std::vector<scalar_t>(offset + T * stride + natural));
   for (int i = 0; i < N; ++i) {
-    for (auto& x : src[i]) x = static_cast<scalar_t>(normal(rng) * (1 + i % 3));
+    for (auto& x : src[i]) {
+      x = c.magnitude.empty()
+              ? static_cast<scalar_t>(normal(rng) * (1 + i % 3))
+              : static_cast<scalar_t>(uniform(rng) * c.magnitude[i % c.magnitude.size()]);
+    }
   }
   std::vector<acc_t> u(D);
   for (int d = 0; d < D; ++d) {
@@ -111,8 +143,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     const double g = 1 + 0.3 * normal(rng);
     u[d] = static_cast<acc_t>(scale * q * g);
   }
+  if (c.nan_query) u[D / 2] = static_cast<acc_t>(NAN);
   std::vector<scalar_t> dh(T * D);
-  for (auto& x : dh) x = static_cast<scalar_t>(normal(rng));
+  for (auto& x : dh) x = static_cast<scalar_t>(normal(rng) * c.dh_scale);
 
   std::vector<acc_t> grad_w(c.weight_grads ? N * T : 0);
   for (auto& x : grad_w) x = static_cast<acc_t>(normal(rng));
@@ -167,42 +200,46 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   // Float64 evaluation of docs/design.md §1-§2, token by token.
   std::vector<double> ref_out(T * D), ref_rstd(N * T), ref_w(N * T), ref_z(D, 0.0);
   std::vector<std::vector<double>> ref_grads(N, std::vector<double>(T * D));
+  // In long double (x87: exponent range to 1e4932), so float64 rows near
+  // 1e308 do not overflow the reference either.
+  using R = long double;
   for (int64_t t = 0; t < T; ++t) {
-    std::vector<double> r(N), s(N), dp(N), a(N);
-    auto v = [&](int i, int d) { return double(src[i][offset + t * stride + d]); };
-    double m = -INFINITY;
+    std::vector<R> r(N), s(N), dp(N), a(N);
+    auto v = [&](int i, int d) { return R(double(src[i][offset + t * stride + d])); };
+    R m = -INFINITY;
     for (int i = 0; i < N; ++i) {
-      double ss = 0, uv = 0, dv = 0;
+      R ss = 0, uv = 0, dv = 0;
       for (int d = 0; d < D; ++d) {
         ss += v(i, d) * v(i, d);
-        uv += double(u[d]) * v(i, d);
-        dv += double(dh[t * D + d]) * v(i, d);
+        uv += R(u[d]) * v(i, d);
+        dv += R(double(dh[t * D + d])) * v(i, d);
       }
-      r[i] = 1 / std::sqrt(ss / D + eps);
+      r[i] = 1 / std::sqrt(ss / D + R(eps));
       s[i] = r[i] * uv;
-      dp[i] = dv + (c.weight_grads ? double(grad_w[i * T + t]) : 0.0);
-      m = std::max(m, s[i]);
+      dp[i] = dv + (c.weight_grads ? R(grad_w[i * T + t]) : R(0));
+      m = std::isnan(s[i]) || std::isnan(m) ? R(NAN) : std::max(m, s[i]);
     }
-    double l = 0;
+    R l = 0;
     for (int i = 0; i < N; ++i) l += std::exp(s[i] - m);
-    double sum_a_dp = 0;
+    R sum_a_dp = 0;
     for (int i = 0; i < N; ++i) {
       a[i] = std::exp(s[i] - m) / l;
       sum_a_dp += a[i] * dp[i];
-      ref_rstd[i * T + t] = r[i];
-      ref_w[i * T + t] = a[i];
+      ref_rstd[i * T + t] = double(r[i]);
+      ref_w[i * T + t] = double(a[i]);
     }
     for (int d = 0; d < D; ++d) {
-      double h = 0;
+      R h = 0;
       for (int i = 0; i < N; ++i) h += a[i] * v(i, d);
-      ref_out[t * D + d] = h;
+      ref_out[t * D + d] = double(h);
     }
     for (int i = 0; i < N; ++i) {
-      const double alpha = a[i] * (dp[i] - sum_a_dp) * r[i];
-      const double beta = -alpha * r[i] * s[i] / D;
+      const R alpha = a[i] * (dp[i] - sum_a_dp) * r[i];
+      const R beta = -alpha * r[i] * s[i] / D;
       for (int d = 0; d < D; ++d) {
-        ref_grads[i][t * D + d] = a[i] * double(dh[t * D + d]) + alpha * double(u[d]) + beta * v(i, d);
-        ref_z[d] += alpha * v(i, d);
+        ref_grads[i][t * D + d] =
+            double(a[i] * R(double(dh[t * D + d])) + alpha * R(u[d]) + beta * v(i, d));
+        ref_z[d] += double(alpha * v(i, d));
       }
     }
   }
@@ -223,10 +260,18 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       {"rstd", rel_err(as_double(rstd), ref_rstd), tol.stats},
       {"weights", rel_err(as_double(weights), ref_w), tol.stats},
   };
-  if (!c.partial) checks.push_back({"z", rel_err(z, ref_z), tol.grad});
+  // z (the query/gain gradients' sum over tokens) is not checked when its
+  // true value comes near the accumulation dtype's maximum: its per-token
+  // terms can exceed it then (docs/design.md §8's limit).
+  const double acc_max = static_cast<double>(std::numeric_limits<acc_t>::max());
+  const double src_max = static_cast<double>(std::numeric_limits<scalar_t>::max());
+  bool z_near_max = false;
+  for (double x : ref_z) z_near_max = z_near_max || !(std::fabs(x) <= acc_max / 8);
+  if (!c.partial && !z_near_max) checks.push_back({"z", rel_err(z, ref_z), tol.grad});
   double worst_grad = 0;
   for (int i = c.partial ? 1 : 0; i < N; ++i) {
-    worst_grad = std::max(worst_grad, rel_err(as_double(grads[i]), ref_grads[i]));
+    worst_grad = std::max(worst_grad,
+                          rel_err_representable(as_double(grads[i]), ref_grads[i], src_max));
   }
   checks.push_back({"grads", worst_grad, tol.grad});
   if (c.partial) {
@@ -236,6 +281,21 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
   }
 
+  if (c.nan_query) {
+    // softmax of NaN scores is NaN: h, the weights and every gradient must
+    // be NaN, never the sources passed through (N = 1 included).
+    auto all_nan = [](const auto& xs) {
+      for (const auto& x : xs) {
+        if (!std::isnan(static_cast<double>(x))) return false;
+      }
+      return true;
+    };
+    bool grads_nan = true;
+    for (int i = c.partial ? 1 : 0; i < N; ++i) grads_nan = grads_nan && all_nan(grads[i]);
+    checks = {{"out_nan", all_nan(out) ? 0.0 : 1.0, 0.0},
+              {"weights_nan", all_nan(weights) ? 0.0 : 1.0, 0.0},
+              {"grads_nan", grads_nan ? 0.0 : 1.0, 0.0}};
+  }
   bool ok = true;
   std::string detail;
   for (const auto& ch : checks) {
@@ -245,10 +305,21 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     std::snprintf(buf, sizeof buf, " %s=%.2g%s", ch.what, ch.err, pass ? "" : "(FAIL)");
     detail += buf;
   }
-  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
+  std::string range;
+  if (!c.magnitude.empty()) {
+    range = " mag=";
+    for (double mg : c.magnitude) {
+      char b[24];
+      std::snprintf(b, sizeof b, "%s%.2g", range.size() > 5 ? "," : "", mg);
+      range += b;
+    }
+  }
+  if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
+  if (c.nan_query) range += " nan_query";
+  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
               "bwd[vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
-              c.misaligned ? " misaligned" : "", ftile.vec, ftile.vpt, ftile.group,
+              c.misaligned ? " misaligned" : "", range.c_str(), ftile.vec, ftile.vpt, ftile.group,
               ftile.tokens_per_cta, fgrid, btile.vec, btile.vpt, btile.group,
               btile.tokens_per_cta, long(bgrid), int(plan.stage),
               c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
@@ -257,6 +328,17 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
 }
 
 }  // namespace
+
+// A range case: sources of the given magnitudes (docs/design.md §8).
+Case range_case(int N, int64_t T, int D, std::vector<double> magnitude, double eps = 1e-6,
+                bool nan_query = false, int64_t grid_cap = 2, double dh_scale = 1.0) {
+  Case c{N, T, D, 0, false, grid_cap};
+  c.dh_scale = dh_scale;
+  c.magnitude = std::move(magnitude);
+  c.eps = eps;
+  c.nan_query = nan_query;
+  return c;
+}
 
 int main(int argc, char** argv) {
   // argv[1], when given, keeps only the cases of one dtype.
@@ -298,6 +380,32 @@ int main(int argc, char** argv) {
   run(c10::Half{}, {{17, 6, 64, 0, false, 1},       // 8 lanes per token, staged
                     {4, 300, 24, 0, false, 2},
                     {2, 3, 16384, 0, false, 2}});
+  // Range: sums of squares that overflow (|v| > ~1.8e19/sqrt(D) in
+  // fp32/bf16) or underflow (eps = 0), up to the dtype's maximum, mixed in
+  // one token; and NaN scores (N = 1 included). Every kernel path: sub-warp,
+  // warp and block groups, staged and unstaged backward, > 64 sources,
+  // scalar path.
+  run(double{}, {range_case(3, 5, 8, {1e150, 1.0, 1e-150}),
+                 range_case(2, 3, 70, {1e-300}, 0.0),
+                 range_case(1, 3, 8, {}, 1e-6, true)});
+  run(float{}, {range_case(2, 3, 4, {3e19}),
+                range_case(3, 5, 64, {3e38, 1.0, 1e-30}),
+                range_case(3, 9, 64, {1e-30}, 0.0),
+                range_case(3, 4, 1000, {1e38, 1e20}),
+                range_case(2, 4, 2052, {3e38, 1e30}),
+                range_case(70, 3, 16, {3e38, 1.0}),
+                range_case(1, 3, 8, {}, 1e-6, true),
+                range_case(3, 3, 2052, {}, 1e-6, true),
+                // dh of 1e-20: the query gradient stays representable (z checked)
+                range_case(3, 5, 64, {3e38, 1.0, 1e-30}, 1e-6, false, 2, 1e-20),
+                range_case(2, 4, 2052, {3e38, 1e30}, 1e-6, false, 2, 1e-20),
+                range_case(70, 3, 16, {3e38, 1.0}, 1e-6, false, 2, 1e-20)});
+  run(c10::BFloat16{}, {range_case(9, 20, 1024, {3e38, 1e-30, 1.0}, 1e-6, false, 3),
+                        range_case(3, 5, 7186, {1e38}),
+                        range_case(65, 3, 1000, {1e30, 1.0}),
+                        range_case(9, 20, 1024, {3e38, 1e-30, 1.0}, 1e-6, false, 3, 1e-20)});
+  run(c10::Half{}, {range_case(4, 10, 64, {6e4, 1e-4}),
+                    range_case(1, 4, 64, {}, 1e-6, true)});
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -37,6 +37,14 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  const at::Tensor& weights, double scale,
                                  const c10::List<bool>& output_mask);
 
+// A dense (strided) tensor, or a ValueError naming the argument (name, or
+// name[index] when index >= 0): nested and sparse tensors have no sizes or
+// strides the kernels can read. check_forward_args/check_backward_args run
+// it; the autograd kernels run it first, before autograd reads the inputs'
+// sizes.
+void check_dense(const at::Tensor& t, const char* name, int64_t index = -1);
+void check_dense_inputs(at::TensorList tensors, const char* name);
+
 // Accumulation dtype for a source dtype: fp64 for fp64, fp32 otherwise.
 at::ScalarType acc_dtype_for(at::ScalarType source_dtype);
 

@@ -14,10 +14,20 @@
 //           alpha_i = ds_i r_i,  beta_i = -ds_i r_i^2 s_i / D
 //   Z    += alpha_i v_i   (sum over tokens and sources; dquery = scale*gain*Z,
 //                          dgain = scale*query*Z)
+//
+// Range (docs/design.md §8). The kernels' fast path computes sum(v^2) and
+// <u, v> of the raw row. Rows whose sum of squares overflows (|v| beyond
+// ~1.8e19/sqrt(D) in fp32/bf16) or underflows (eps tiny) take a rescued path
+// in which the row is first multiplied by a power of two (exact):
+// row_needs_rescale / rescale_factor / rescaled_stats below. The backward
+// checks its per-row coefficients (backward_row_is_rare) and recomputes the
+// rare tokens in a wider type (WideType). The checks are a few compares on
+// per-row scalars, so the common case costs nothing.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define ATTNRES_HD __host__ __device__ __forceinline__
@@ -64,19 +74,28 @@ struct OnlineSoftmax {
   acc_t m;  // running max of scores
   acc_t l;  // running sum of exp(s_j - m)
 
+  // The first score. l = exp(s - s): 1, or NaN for a NaN or infinite score
+  // (softmax of one NaN/Inf score is NaN, also when N = 1).
   ATTNRES_HD void init(acc_t s) {
     m = s;
-    l = acc_t(1);
+    l = (s - s) + acc_t(1);
   }
 
-  // Adds score s. Returns through the out-arguments the factor for the
-  // existing accumulator and the weight of the new value.
-  ATTNRES_HD void push(acc_t s, acc_t& rescale, acc_t& p) {
+  // Adds score s. Returns through the out-arguments the factors of the
+  // *normalized* online weighted sum: acc <- acc * keep + take * v keeps acc
+  // the weighted average of the values pushed so far (keep + take = 1), so
+  // it never exceeds the largest |v| (a running sum of p * v would overflow
+  // for values near the dtype's maximum).
+  ATTNRES_HD void push(acc_t s, acc_t& keep, acc_t& take) {
     const acc_t m_new = nan_max(m, s);
-    rescale = exp_acc(m - m_new);
-    p = exp_acc(s - m_new);
-    l = l * rescale + p;
+    const acc_t rescale = exp_acc(m - m_new);
+    const acc_t p = exp_acc(s - m_new);
+    const acc_t l_old = l * rescale;
+    l = l_old + p;
     m = m_new;
+    const acc_t inv = acc_t(1) / l;
+    keep = l_old * inv;
+    take = p * inv;
   }
 
   // Merges another partial state (used when sources are split across
@@ -93,17 +112,105 @@ struct OnlineSoftmax {
 
   // Final softmax weight of a source with score s.
   ATTNRES_HD acc_t weight(acc_t s) const { return exp_acc(s - m) / l; }
-  ATTNRES_HD acc_t inv_sum() const { return acc_t(1) / l; }
+  // The factor the normalized accumulator is multiplied by at the end: 1,
+  // or NaN when the softmax is NaN (so h is NaN too, also when N = 1).
+  ATTNRES_HD acc_t out_factor() const { return (l - l) + acc_t(1); }
 };
 
 // Elementwise step of the online weighted sum (works on Vectorized too).
 template <typename T>
-ATTNRES_HD T online_accumulate(T acc, T rescale, T p, T v) {
-  return acc * rescale + p * v;
+ATTNRES_HD T online_accumulate(T acc, T keep, T take, T v) {
+  return acc * keep + take * v;
 }
+
+// ---- range: rescued rows --------------------------------------------------
+// Powers of two a row is multiplied by when its plain sums are unusable:
+//   big:   sum(v^2) overflowed. Then max|v| >= sqrt(max/D); after the scale
+//          the squares are <= 2^96 * D (fp32) and the largest ones normal.
+//   small: sum(v^2) < tiny (squares lost to underflow) while eps does not
+//          dominate. Then |v| < sqrt(tiny); after the scale |v| < 2^50
+//          (fp32) and even the smallest subnormal squares become normal.
+template <typename acc_t>
+struct RangeConstants;
+template <>
+struct RangeConstants<float> {
+  static constexpr float kBigScale = 0x1p-80f;
+  static constexpr float kSmallScale = 0x1p100f;
+  static constexpr float kTiny = 0x1p-100f;
+  static constexpr float kMax = 3.40282346638528859812e+38f;
+};
+template <>
+struct RangeConstants<double> {
+  static constexpr double kBigScale = 0x1p-560;
+  static constexpr double kSmallScale = 0x1p600;
+  static constexpr double kTiny = 0x1p-1000;
+  static constexpr double kMax = 1.79769313486231570815e+308;
+};
+
+ATTNRES_HD float abs_acc(float x) { return ::fabsf(x); }
+ATTNRES_HD double abs_acc(double x) { return ::fabs(x); }
+
+// Whether a row's plain sums (sumsq = sum v^2, dot = <u, v>) cannot give its
+// rstd and score: a sum overflowed (or is NaN: the rescued path then gives
+// NaN too), or the squares underflowed while eps does not dominate.
+template <typename acc_t>
+ATTNRES_HD bool row_needs_rescale(acc_t sumsq, acc_t dot, acc_t eps) {
+  using C = RangeConstants<acc_t>;
+  return !(sumsq <= C::kMax) || !(abs_acc(dot) <= C::kMax) ||
+         (sumsq < C::kTiny && eps < C::kTiny);
+}
+
+// The power of two a row needing a rescue is multiplied by (1 when only
+// <u, v> overflowed: the query itself is out of range, and the score stays
+// non-finite, as in any fp32 evaluation).
+template <typename acc_t>
+ATTNRES_HD acc_t rescale_factor(acc_t sumsq) {
+  using C = RangeConstants<acc_t>;
+  if (sumsq < C::kTiny) return C::kSmallScale;
+  if (!(sumsq <= C::kMax)) return C::kBigScale;
+  return acc_t(1);
+}
+
+// rstd and score from the sums of the scaled row c*v:
+//   r = 1/sqrt(sum(v^2)/D + eps) = c / sqrt(sum((cv)^2)/D + eps c^2)
+//   s = r <u, v>                 = <u, cv> / sqrt(sum((cv)^2)/D + eps c^2)
+// (eps * c * c left to right: eps * c^2 alone could overflow or underflow).
+template <typename acc_t>
+ATTNRES_HD void rescaled_stats(acc_t sumsq_c, acc_t dot_c, acc_t c, int64_t D,
+                               acc_t eps, acc_t& r, acc_t& s) {
+  const acc_t root = sqrt_acc(sumsq_c / acc_t(D) + eps * c * c);
+  r = c / root;
+  s = dot_c / root;
+}
+
+// ---- range: rare backward tokens ------------------------------------------
+// A wider type for the backward's rare tokens: the products <dh, v>,
+// <u, v> and r^2 of rows near the dtype's limits fit in it.
+template <typename acc_t>
+struct WideType;
+template <>
+struct WideType<float> {
+  using type = double;
+};
+template <>
+struct WideType<double> {
+#if defined(__CUDACC__) || defined(__HIPCC__)
+  using type = double;  // no wider type on the device: docs/design.md §8
+#else
+  using type = long double;  // x87 extended: exponent range to 1e4932
+#endif
+};
 
 // Backward coefficients of source i, given a_i, r_i, s_i, dp_i and
 // sum_j a_j dp_j (computed in a first pass over the sources).
+//
+// Pivoted form (what the kernels pass): with p the source of the largest
+// weight and sum_j a_j = 1,
+//   dp_i - sum_j a_j dp_j = (dp_i - dp_p) - sum_{j != p} a_j (dp_j - dp_p),
+// so the kernels pass dp = dp_i - dp_p and sum_a_dp = that sum. The plain
+// form cancels |dp| down to ulp(|dp|) when one weight is near 1 and the
+// dp_j share a large part (e.g. a huge <dh, v> common to all sources): the
+// pivoted one subtracts only small-weighted differences (dp_p - dp_p is 0).
 template <typename acc_t>
 struct SourceGrad {
   acc_t a;      // value-path weight: dv += a * dh
@@ -125,10 +232,50 @@ ATTNRES_HD SourceGrad<acc_t> source_grad_coefficients(acc_t a, acc_t r,
   return g;
 }
 
+// Tracks the pivot of the pivoted form above over the sources of a token:
+// the first source of the largest weight (NaN weights never win).
+// The pivot is used only when its weight dominates (> 1/2): that is where
+// the plain form cancels; elsewhere the plain form is as accurate and the
+// kernels keep it (dp_p = 0, no source excluded).
+template <typename acc_t>
+struct Pivot {
+  int64_t index = 0;
+  acc_t weight = acc_t(-1);
+  ATTNRES_HD void see(int64_t i, acc_t a) {
+    if (a > weight) {
+      weight = a;
+      index = i;
+    }
+  }
+  ATTNRES_HD bool pivoted() const { return weight > acc_t(0.5); }
+};
+
 // Elementwise source gradient (works on Vectorized too).
 template <typename T>
 ATTNRES_HD T source_grad(T a, T dh, T alpha, T u, T beta, T v) {
   return a * dh + alpha * u + beta * v;
+}
+
+// Whether source i's backward, evaluated in acc_t from the token's sums
+// (dot_u = <u, v_i> or the score, dp = dp_i, sum_a_dp) and coefficients g,
+// may be wrong: a sum or coefficient overflowed, or alpha = ds r or
+// beta = -alpha r s / D underflowed (lost bits) although ds, r and s are
+// not zero (rows near the dtype's limits: r^2 underflows). Such tokens are
+// recomputed in WideType. A token whose weights are NaN (NaN or Inf in its
+// sources) is poisoned and is not rare: its gradients are NaN either way.
+template <typename acc_t>
+ATTNRES_HD bool backward_row_is_rare(acc_t a, acc_t r, acc_t s, acc_t dp,
+                                     acc_t sum_a_dp,
+                                     const SourceGrad<acc_t>& g) {
+  using C = RangeConstants<acc_t>;
+  if (a != a) return false;
+  const bool finite = abs_acc(s) <= C::kMax && abs_acc(dp) <= C::kMax &&
+                      abs_acc(sum_a_dp) <= C::kMax &&
+                      abs_acc(g.alpha) <= C::kMax && abs_acc(g.beta) <= C::kMax;
+  if (!finite) return true;
+  const bool ds_nonzero = dp != sum_a_dp && a != acc_t(0) && r != acc_t(0);
+  return ds_nonzero && (abs_acc(g.alpha) < C::kTiny ||
+                        (s != acc_t(0) && abs_acc(g.beta) < C::kTiny));
 }
 
 }  // namespace math

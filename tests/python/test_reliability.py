@@ -1,0 +1,421 @@
+"""Regression tests of the red-team findings: each was a silently wrong
+answer (second derivatives of zero, garbage from a meta tensor among CPU
+tensors, an unchecked scale, uniform weights for rows whose sum of squares
+overflows, N = 1 ignoring a NaN score, internal-error messages). The ground
+truth at extreme magnitudes is tests/python/float64_reference.py (not
+attnres.reference, whose float32 evaluation overflows the same way)."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import attnres
+from attnres import ops
+from float64_reference import depth_attention_ref, forward_and_grads
+from float64_reference import rel_err
+from helpers import DEVICES, GRAD_REL_TOL, REL_TOL, STAT_REL_TOL, backward_op, param_dtype
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def _problem(n=3, lead=(4,), d=8, dtype=torch.float32, device="cpu", seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    srcs = [torch.randn(*lead, d, generator=gen).to(dtype).to(device).requires_grad_(requires_grad)
+            for _ in range(n)]
+    pd = param_dtype(dtype)
+    q = (torch.randn(d, generator=gen) / math.sqrt(d)).to(pd).to(device).requires_grad_(requires_grad)
+    g = (1 + 0.2 * torch.randn(d, generator=gen)).to(pd).to(device).requires_grad_(requires_grad)
+    return srcs, q, g
+
+
+# ---- 1. second derivatives raise, never silently zero -------------------------------------
+
+SECOND_ORDER_MATCH = "second derivatives of depth_attention are not implemented"
+
+
+def test_double_backward_through_create_graph_raises():
+    srcs, q, g = _problem(dtype=torch.float64, requires_grad=True)
+    h = attnres.depth_attention(srcs, q, g)
+    grads = torch.autograd.grad(h.pow(2).sum(), [*srcs, q, g], create_graph=True)
+    for gr in grads:
+        with pytest.raises(RuntimeError, match=SECOND_ORDER_MATCH):
+            torch.autograd.grad(gr.sum(), [*srcs, q, g], allow_unused=True)
+
+
+def test_hessian_raises():
+    srcs, q, g = _problem(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=SECOND_ORDER_MATCH):
+        torch.autograd.functional.hessian(lambda qq: attnres.depth_attention(srcs, qq, g).sum(), q)
+    with pytest.raises(RuntimeError, match=SECOND_ORDER_MATCH):
+        torch.autograd.functional.hessian(
+            lambda s0: attnres.depth_attention([s0, *srcs[1:]], q, g).sum(), srcs[0])
+
+
+def test_gradient_penalty_raises():
+    """A WGAN-GP style penalty on the input gradient: must raise, not train
+    on a zero second-order term."""
+    srcs, q, g = _problem(dtype=torch.float64, requires_grad=True)
+    h = attnres.depth_attention(srcs, q, g)
+    (gs,) = torch.autograd.grad(h.sum(), [srcs[1]], create_graph=True)
+    penalty = (gs.norm(dim=-1) - 1).pow(2).mean()
+    with pytest.raises(RuntimeError, match=SECOND_ORDER_MATCH):
+        penalty.backward()
+
+
+def test_weights_gradient_penalty_raises():
+    srcs, q, g = _problem(dtype=torch.float64, requires_grad=True)
+    _, w = attnres.depth_attention(srcs, q, g, return_weights=True)
+    (gq,) = torch.autograd.grad(w[0].sum(), [q], create_graph=True)
+    with pytest.raises(RuntimeError, match=SECOND_ORDER_MATCH):
+        gq.pow(2).sum().backward()
+
+
+# ---- 2. a meta tensor among CPU tensors: a clear ValueError in every position ---------------
+
+
+def _fwd_args(srcs, q, g):
+    return [list(srcs), q, g, 1e-6, 1.0]
+
+
+FWD_POSITIONS = ["source0", "source1", "query", "norm_weight"]
+
+
+@pytest.mark.parametrize("position", FWD_POSITIONS)
+def test_forward_meta_tensor_among_cpu_tensors_raises(position):
+    srcs, q, g = _problem()
+    if position == "source0":
+        srcs[0] = srcs[0].to("meta")
+    elif position == "source1":
+        srcs[1] = srcs[1].to("meta")
+    elif position == "query":
+        q = q.to("meta")
+    else:
+        g = g.to("meta")
+    with pytest.raises(ValueError, match="device"):
+        torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    with pytest.raises(ValueError, match="device"):
+        attnres.depth_attention(srcs, q, g)
+
+
+BWD_POSITIONS = ["rstd", "weights", "grad_out", "grad_weights", "query", "norm_weight", "source0",
+                 "source2"]
+
+
+@pytest.mark.parametrize("position", BWD_POSITIONS)
+def test_backward_meta_tensor_among_cpu_tensors_raises(position):
+    srcs, q, g = _problem()
+    _, rstd, w = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    dh = torch.randn_like(srcs[0])
+    gw = torch.randn_like(w)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    if position == "rstd":
+        rstd = meta(rstd)
+    elif position == "weights":
+        w = meta(w)
+    elif position == "grad_out":
+        dh = meta(dh)
+    elif position == "grad_weights":
+        gw = meta(gw)
+    elif position == "query":
+        q = meta(q)
+    elif position == "norm_weight":
+        g = meta(g)
+    elif position == "source0":
+        srcs[0] = meta(srcs[0])
+    else:
+        srcs[2] = meta(srcs[2])
+    with pytest.raises(ValueError, match="device") as info:
+        backward_op(dh, srcs, q, g, rstd, w, 1.0, grad_weights=gw)
+    assert "must be on the sources' device" in str(info.value) or "is on device" in str(info.value)
+
+
+def test_all_meta_backward_still_traces():
+    """All-meta arguments are what the fake kernel is for: shapes, no error."""
+    srcs, q, g = _problem()
+    _, rstd, w = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    m = lambda t: t.to("meta")  # noqa: E731
+    grads, gq, gg = backward_op(m(torch.randn_like(srcs[0])), [m(s) for s in srcs], m(q), m(g), m(rstd),
+                                m(w), 1.0)
+    assert [x.shape for x in grads] == [s.shape for s in srcs] and gq.shape == q.shape
+    assert all(x.device.type == "meta" for x in [*grads, gq, gg])
+
+
+# ---- 3. scale must be finite ---------------------------------------------------------------------
+
+BAD_SCALES = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", BAD_SCALES, ids=str)
+def test_non_finite_scale_raises(device, scale):
+    srcs, q, g = _problem(device=device)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        attnres.depth_attention(srcs, q, g, scale=scale)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, scale)
+    _, rstd, w = torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, 1.0)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        backward_op(torch.randn_like(srcs[0]), srcs, q, g, rstd, w, scale)
+    # The fake kernel (torch.compile) says the same.
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        ops.check_args(srcs, q, g, 1e-6, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_eps_and_scale_beyond_float32_raise_for_float32_accumulation(dtype):
+    """eps and scale enter the kernels in float32 for these sources: 1e39
+    would be inf there (u = inf * 0 = NaN for a zero query)."""
+    srcs, q, g = _problem(dtype=dtype)
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        attnres.depth_attention(srcs, q, g, scale=1e39)
+    with pytest.raises(ValueError, match="eps must be finite in float32"):
+        attnres.depth_attention(srcs, q, g, eps=1e39)
+    with pytest.raises(ValueError, match="scale must be finite in float32"):
+        ops.check_args(srcs, q, g, 1e-6, -1e39)
+    # float64 sources accumulate in float64: fine there.
+    srcs64 = [s.double() for s in srcs]
+    h = attnres.depth_attention(srcs64, q.double(), g.double(), scale=1e39)
+    assert h.shape == srcs[0].shape
+
+
+# ---- 4. sums of squares that overflow / underflow ------------------------------------------------
+
+
+def _check_against_ref(srcs, q, g, dtype, *, eps=1e-6, scale=1.0, seed=0, grad_weights=True, what=""):
+    gen = torch.Generator().manual_seed(seed)
+    dh = torch.randn(srcs[0].shape, generator=gen, dtype=torch.float64).to(dtype)
+    gw = torch.randn((len(srcs), *srcs[0].shape[:-1]), generator=gen) if grad_weights else None
+    device = srcs[0].device
+    ours = forward_and_grads(
+        lambda s, qq, gg, **kw: attnres.depth_attention(s, qq, gg, return_weights=True, **kw),
+        srcs, q, g, dh.to(device), None if gw is None else gw.to(device), eps=eps, scale=scale)
+    ref = forward_and_grads(depth_attention_ref, [s.double().cpu() for s in srcs], q.double().cpu(),
+                            None if g is None else g.double().cpu(), dh.double(), gw, eps=eps, scale=scale)
+    assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all(), what
+    assert rel_err(ours[0], ref[0]) <= REL_TOL[dtype], f"{what} h: {rel_err(ours[0], ref[0]):.3g}"
+    assert rel_err(ours[1], ref[1]) <= max(STAT_REL_TOL[dtype], 1e-5), f"{what} weights"
+    n = len(srcs)
+    for k, (a, b) in enumerate(zip(ours[2], ref[2])):
+        if b is None:
+            continue
+        # A true gradient beyond the dtype's maximum is inf (or NaN). The
+        # query/gain gradients are scale * gain * Z with Z summed over tokens
+        # in the accumulation dtype: when they come near the maximum, the
+        # per-token terms of Z can exceed it although the sum would not
+        # (docs/design.md §8's limit), so they are not checked there.
+        limit = torch.finfo(a.dtype).max
+        if k >= n and (b.abs() > limit / 8).any():
+            continue
+        representable = b.abs() <= limit
+        assert torch.isfinite(a.cpu()[representable]).all(), f"{what} grad {k} not finite"
+        err = rel_err(a.cpu()[representable], b[representable])
+        assert err <= GRAD_REL_TOL[dtype], f"{what} grad {k}: {err:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue_example_rows_of_3e19(device):
+    """N = 2, D = 4, rows of +-3e19: weights were [0.5, 0.5] (sum of squares
+    inf, r = 0, score 0); correct is [0.982, 0.018]."""
+    v0 = torch.full((1, 4), 3e19, device=device)
+    v1 = torch.tensor([[3e19, -3e19, 3e19, -3e19]], device=device)
+    q = torch.ones(4, device=device)
+    h, w = attnres.depth_attention([v0, v1], q, return_weights=True)
+    ref_h, ref_w = depth_attention_ref([v0.double().cpu(), v1.double().cpu()], q.double().cpu())
+    torch.testing.assert_close(w.cpu().double(), ref_w, rtol=1e-6, atol=0)
+    assert abs(w[0, 0].item() - 0.98201379) < 1e-6
+    assert rel_err(h, ref_h) < 1e-6
+
+
+def _dtype_max(dtype):
+    return torch.finfo(dtype).max
+
+
+MAGNITUDES = {
+    # Up to the dtype's maximum; 1e19-3e19 is where fp32 sums of squares
+    # start to overflow; tiny ones where they underflow.
+    torch.float32: [1e-30, 1e-20, 3e19, 1e25, 1e30, 1e37, 0.9 * _dtype_max(torch.float32)],
+    torch.bfloat16: [1e-30, 3e19, 1e30, 1e37, 0.9 * _dtype_max(torch.bfloat16)],
+    torch.float16: [1e-4, 1e2, 3e4, 0.9 * _dtype_max(torch.float16)],
+    torch.float64: [1e-300, 1e-160, 1e160, 1e200, 1e300, 0.9 * _dtype_max(torch.float64)],
+}
+
+
+def _extreme_sources(n, lead, d, dtype, mag, device, gen, spread=True):
+    out = []
+    for i in range(n):
+        # Uniform in [-1, 1] (no value beyond the magnitude), per-source
+        # factors so the weights are not uniform.
+        f = (0.3 + 0.7 * (i + 1) / n) if spread else 1.0
+        x = (torch.rand(*lead, d, generator=gen, dtype=torch.float64) * 2 - 1) * (mag * f)
+        out.append(x.to(dtype).to(device))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_extreme_magnitudes_forward_and_gradients(device, dtype, with_gain):
+    """Finite inputs anywhere in the dtype's range: h, the weights and every
+    gradient match the float64 reference (CPU; CUDA where a GPU is visible,
+    except float64 backward on CUDA beyond |v| ~ 1e150, docs/design.md §8)."""
+    gen = torch.Generator().manual_seed(1)
+    for mag in MAGNITUDES[dtype]:
+        for n, lead, d in ((2, (3,), 4), (5, (2, 3), 33), (3, (4,), 256)):
+            srcs = _extreme_sources(n, lead, d, dtype, mag, device, gen)
+            q = (torch.randn(d, generator=gen, dtype=torch.float64) * 2 / math.sqrt(d)).to(
+                param_dtype(dtype)).to(device)
+            g = (1 + 0.3 * torch.rand(d, generator=gen, dtype=torch.float64)).to(
+                param_dtype(dtype)).to(device) if with_gain else None
+            if device == "cuda" and dtype == torch.float64 and mag > 1e150:
+                continue
+            for eps in (1e-6, 0.0):
+                _check_against_ref(srcs, q, g, dtype, eps=eps, scale=0.9,
+                                   what=f"{dtype} mag={mag:g} N={n} D={d} eps={eps}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixed_magnitudes_in_one_token(device, dtype):
+    """A huge, a normal and a tiny source in the same token (the rescued and
+    the plain path side by side; the weights saturate on the huge row or
+    not, depending on the query)."""
+    gen = torch.Generator().manual_seed(2)
+    d = 64
+    for mags in ((1e38, 1.0, 1e-30), (3e19, 1e-20, 1e30, 1.0), (1e-30, 1e-30)):
+        srcs = [((torch.rand(5, d, generator=gen, dtype=torch.float64) * 2 - 1) * m).to(dtype).to(device)
+                for m in mags]
+        for qscale in (0.0, 0.3, 3.0):
+            q = (torch.randn(d, generator=gen, dtype=torch.float64) * qscale / math.sqrt(d)).float().to(device)
+            for eps in (1e-6, 0.0):
+                _check_against_ref(srcs, q, None, dtype, eps=eps, what=f"{mags} q*{qscale} eps={eps}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_sum_of_squares_cannot_overflow(device):
+    """fp16 maxes out at 65504: the float32 sum of squares of even 16384
+    such elements is 7e13, far from float32's limit."""
+    v = torch.full((2, 16384), 65504.0, dtype=torch.float16, device=device)
+    w = torch.full((2, 16384), -65504.0, dtype=torch.float16, device=device)
+    q = torch.full((16384,), 1e-3, device=device)
+    h, wt = attnres.depth_attention([v, w], q, return_weights=True)
+    _, ref_w = depth_attention_ref([v.double().cpu(), w.double().cpu()], q.double().cpu())
+    assert torch.isfinite(h).all()
+    torch.testing.assert_close(wt.cpu().double(), ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_at_the_maximum_average_without_overflow(device):
+    """h is a weighted average, never above max|v|: sources all at the
+    dtype's maximum give h at the maximum, not inf (an un-normalized online
+    sum would overflow)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        big = _dtype_max(dtype)
+        srcs = [torch.full((3, 8), big, dtype=dtype, device=device) for _ in range(4)]
+        h = attnres.depth_attention(srcs, torch.zeros(8, dtype=param_dtype(dtype), device=device))
+        assert torch.isfinite(h).all(), dtype
+        assert rel_err(h, torch.full((3, 8), big, dtype=torch.float64)) < REL_TOL[dtype]
+
+
+# ---- 5. N = 1 with a NaN score agrees with softmax (NaN) -----------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["nan_query", "inf_source", "neg_inf_source", "nan_source"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_nan_score_gives_nan_like_softmax(device, dtype, case, n):
+    srcs, q, g = _problem(n=n, lead=(3,), d=8, dtype=dtype, device=device)
+    with torch.no_grad():
+        if case == "nan_query":
+            q = q.clone()
+            q[2] = float("nan")
+        else:
+            value = {"inf_source": float("inf"), "neg_inf_source": float("-inf"), "nan_source": float("nan")}[case]
+            srcs[0][1, 5] = value
+    srcs = [s.requires_grad_(True) for s in srcs]
+    h, w = attnres.depth_attention(srcs, q, g, return_weights=True)
+    ref_h, ref_w = attnres.reference.depth_attention([s.detach().double() for s in srcs], q.double(),
+                                                    g.double(), return_weights=True)
+    poisoned = [0, 1, 2] if case == "nan_query" else [1]
+    # softmax says NaN for these tokens; the op must not return the source.
+    assert torch.isnan(ref_h[poisoned]).all() and torch.isnan(ref_w[:, poisoned]).all()
+    assert torch.isnan(h[poisoned]).all(), h
+    assert torch.isnan(w[:, poisoned]).all(), w
+    keep = [t for t in range(3) if t not in poisoned]
+    assert torch.isfinite(h[keep]).all() and torch.isfinite(w[:, keep]).all()
+    h.sum().backward()
+    for s in srcs:
+        assert torch.isnan(s.grad[poisoned]).all()
+        assert torch.isfinite(s.grad[keep]).all()
+
+
+# ---- 6. messages that name the argument -------------------------------------------------------
+
+
+@pytest.fixture
+def quiet_nested():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        yield
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided_nested", "jagged"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_nested_source_names_the_argument(quiet_nested, layout, position):
+    nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    srcs = [torch.randn(2, 4), torch.randn(2, 4)]
+    srcs[position] = nt
+    with pytest.raises(ValueError, match=rf"sources\[{position}\] is a nested tensor"):
+        attnres.depth_attention(srcs, torch.zeros(4))
+    if layout == torch.strided:
+        with pytest.raises(ValueError, match=rf"sources\[{position}\] is a nested tensor"):
+            torch.ops.attnres.depth_attention_fwd(srcs, torch.zeros(4), None, 1e-6, 1.0)
+
+
+def test_nested_query_and_backward_arguments_name_the_argument(quiet_nested):
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="query is a nested tensor"):
+        torch.ops.attnres.depth_attention_fwd([x], torch.nested.nested_tensor([torch.zeros(4)]), None, 1e-6, 1.0)
+    _, rstd, w = torch.ops.attnres.depth_attention_fwd([x, x], torch.zeros(4), None, 1e-6, 1.0)
+    nt = torch.nested.nested_tensor([torch.randn(4), torch.randn(4)])
+    with pytest.raises(ValueError, match="grad_out is a nested tensor"):
+        backward_op(nt, [x, x], torch.zeros(4), None, rstd, w, 1.0)
+
+
+@pytest.mark.parametrize("position", ["source", "query", "norm_weight"])
+def test_sparse_tensor_names_the_argument(position):
+    srcs = [torch.randn(2, 4), torch.randn(2, 4)]
+    q, g = torch.zeros(4), torch.ones(4)
+    if position == "source":
+        srcs[1] = srcs[1].to_sparse()
+        words = r"sources\[1\] has layout"
+    elif position == "query":
+        q = q.to_sparse()
+        words = "query has layout"
+    else:
+        g = g.to_sparse()
+        words = "norm_weight has layout"
+    with pytest.raises(ValueError, match=words):
+        attnres.depth_attention(srcs, q, g)
+    with pytest.raises(ValueError, match=words):
+        ops.check_args(srcs, q, g, 1e-6, 1.0)
+
+
+@pytest.mark.parametrize("name", ["eps", "scale"])
+@pytest.mark.parametrize("value", ["1e-6", None, torch.tensor(1e-6), [1e-6], True])
+def test_eps_and_scale_of_the_wrong_type_name_the_argument(name, value):
+    srcs, q, g = _problem()
+    with pytest.raises(TypeError, match=f"{name} must be a number"):
+        attnres.depth_attention(srcs, q, g, **{name: value})
+    args = {"eps": 1e-6, "scale": 1.0, name: value}
+    with pytest.raises(TypeError, match=f"{name} must be a number"):
+        ops.check_args(srcs, q, g, args["eps"], args["scale"])
+
+
+def test_numpy_and_int_eps_scale_are_numbers():
+    np = pytest.importorskip("numpy")
+    srcs, q, g = _problem()
+    ref = attnres.depth_attention(srcs, q, g, eps=1e-6, scale=2.0)
+    torch.testing.assert_close(attnres.depth_attention(srcs, q, g, eps=np.float32(1e-6), scale=np.int64(2)), ref)
+    torch.testing.assert_close(attnres.depth_attention(srcs, q, g, eps=1e-6, scale=2), ref)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# make sanitize: the C++ tests (GoogleTest, through ctest) and the CPU
+# emulation of the CUDA kernels (tests/cuda_emulation), built with
+# AddressSanitizer + UndefinedBehaviorSanitizer and run. CPU-only build in its
+# own directory (default build-sanitize), configured with flags on the
+# command line: CMakeLists.txt is not changed for it.
+#
+#   tests/sanitize/run.sh            # build + run both
+#   ATTNRES_SANITIZE_BUILD=dir  MAX_JOBS=n  PYTHON=python  (defaults below)
+#
+# A sanitizer report fails the run (halt_on_error). LeakSanitizer is off:
+# LibTorch keeps process-lifetime allocations that it reports as leaks.
+# -fno-sanitize=vptr: LibTorch is not built with UBSan's type info, and the
+# vptr check then reports its polymorphic types falsely.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+BUILD=${ATTNRES_SANITIZE_BUILD:-build-sanitize}
+JOBS=${MAX_JOBS:-2}
+SAN="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:halt_on_error=1:abort_on_error=0:detect_odr_violation=0}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+START=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - START )) s)"; }
+
+TORCH_CMAKE=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+TORCH_DIR=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+GEN=()
+command -v ninja >/dev/null && GEN=(-G Ninja)
+
+stamp "configure $BUILD"
+mkdir -p "$BUILD"
+cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DATTNRES_NO_CUDA=ON -DATTNRES_BUILD_TESTS=ON \
+  -DCMAKE_CXX_FLAGS="$SAN" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
+  -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" > "$BUILD/configure.log" 2>&1 \
+  || { tail -40 "$BUILD/configure.log"; exit 1; }
+grep "attnres:" "$BUILD/configure.log" || true
+
+stamp "build (-j$JOBS)"
+cmake --build "$BUILD" -j "$JOBS"
+
+stamp "C++ tests under ASan+UBSan"
+# The tests' binary links libasan first; the op library inherits it.
+ctest --test-dir "$BUILD" --output-on-failure
+
+stamp "CUDA-kernel emulation under ASan+UBSan"
+EMU="$BUILD/emulate_kernels"
+g++ -std=c++20 -O1 -g -pthread $SAN \
+  -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
+  -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
+  tests/cuda_emulation/emulate_kernels.cpp -o "$EMU" \
+  -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
+fails=0
+for dtype in float64 float32 bfloat16 float16; do
+  if "$EMU" "$dtype" > "$EMU.$dtype.log" 2>&1; then
+    echo "emulation $dtype: $(tail -1 "$EMU.$dtype.log")"
+  else
+    echo "emulation $dtype FAILED:"; tail -30 "$EMU.$dtype.log"; fails=$((fails + 1))
+  fi
+done
+stamp "done"
+[ $fails -eq 0 ]
