@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc tests/cpp -path tests/cpp/aoti -prune -o -type
   setup.py CMakeLists.txt pyproject.toml \
   python/attnres/_version.py
 
-.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info
+.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info fuzz sanitize
 
 test: py-test cpp-test cpp-example
 
@@ -25,6 +25,17 @@ demo: build
 
 bench: build
 	$(VPY) benchmarks/bench.py --device cpu
+
+# Long property-based run (hypothesis, random examples) against the tests'
+# float64 implementation, for ATTNRES_FUZZ_SECONDS (default 600).
+fuzz: build
+	ATTNRES_HYPOTHESIS_PROFILE=fuzz ATTNRES_FUZZ_SECONDS=$${ATTNRES_FUZZ_SECONDS:-600} \
+	  $(VPY) -m pytest -q -p no:cacheprovider tests/python/test_properties.py
+
+# The C++ tests and the CUDA-kernel emulation built with ASan+UBSan (a
+# CPU-only build of its own in build-sanitize) and run.
+sanitize: setup | sysdeps
+	PYTHON=$(abspath $(VPY)) MAX_JOBS=$(MAX_JOBS) tests/sanitize/run.sh
 
 info: build
 	$(VPY) -m attnres info
@@ -75,4 +86,4 @@ cpp-example: cpp-install
 	$(BUILD)/examples/tiny_model
 
 clean:
-	rm -rf $(BUILD) build dist python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build
+	rm -rf $(BUILD) build-sanitize build dist python/attnres/*.so python/*.egg-info $(VENV)/.stamp-build
