@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from . import ops
 from .ops import depth_attention
 
 
@@ -197,6 +198,7 @@ class AttnResResidual(nn.Module):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be a positive int (the model width D), got {dim!r}")
+        eps = ops._as_float(eps, "eps")
         if not (eps >= 0.0 and eps != float("inf")):
             raise ValueError(f"eps must be a finite number >= 0, got {eps}")
         factory = {"device": device, "dtype": dtype}

@@ -419,3 +419,10 @@ def test_numpy_and_int_eps_scale_are_numbers():
     ref = attnres.depth_attention(srcs, q, g, eps=1e-6, scale=2.0)
     torch.testing.assert_close(attnres.depth_attention(srcs, q, g, eps=np.float32(1e-6), scale=np.int64(2)), ref)
     torch.testing.assert_close(attnres.depth_attention(srcs, q, g, eps=1e-6, scale=2), ref)
+
+
+@pytest.mark.parametrize("value", ["1e-6", None, torch.tensor(1e-6)])
+def test_module_eps_of_the_wrong_type_names_the_argument(value):
+    with pytest.raises(TypeError, match="eps must be a number"):
+        attnres.AttnResResidual(8, eps=value)
+    assert attnres.AttnResResidual(8, eps=1).eps == 1.0  # an int is a number
