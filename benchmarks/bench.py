@@ -5,6 +5,7 @@
   python benchmarks/bench.py --device cuda --budget-s 400
   python benchmarks/bench.py --device cpu --quick     # dry run, a few seconds
   python benchmarks/bench.py --overhead               # per-call host overhead (CPU)
+  python benchmarks/bench.py --device cuda --shapes priority --append   # gpu_check.sh's stages
 
 Implementations (same inputs, all requiring grad as in training):
   attnres  attnres.depth_attention on the list of sources;
@@ -16,6 +17,15 @@ Implementations (same inputs, all requiring grad as in training):
            dynamic=True compilation per dtype that serves every shape, on a
            pre-stacked [N, tokens, D] tensor (stacking *not* timed, which
            favours compile).
+  fla      FLA's fla.ops.attnres.fused_attnres (Triton), on the list of sources;
+  liger    Liger-Kernel's liger_attn_res (Triton), on torch.stack(sources)
+           (the stacking and its backward timed as part of its call);
+  fla_gluon (not by default) FLA's opt-in Gluon backend.
+           The peers (benchmarks/peers.py says how each is called) run on
+           CUDA only; where a peer is not installed, not runnable on the
+           device, or refuses a shape, its rows say so in the "note" column.
+           Their first call per shape compiles (and FLA autotunes); that is
+           in the warm-up, not in the times.
 
 Passes (CPU: fwd, bwd, fwd+bwd; CUDA: fwd, bwd; see --passes):
   fwd      the forward call alone (recording the autograd graph);
@@ -31,6 +41,16 @@ GB/s is that count over the median time; "% copy" is it over the copy
 bandwidth (bytes read + written per second of a large tensor copy) measured
 on the same device in the same run.
 
+Shapes (CUDA): --shapes priority: bf16 T=65536, N in {9, 17, 33} x D in
+{4096, 1024, 7168} (the headline bf16 N=9 D=4096 first); --shapes rest: the
+rest of the grid {bf16, fp32} x T {65536, 8192} x N {9, 17, 33, 65, 2} x D
+{4096, 1024, 7168, 2048}, T=65536 before 8192 and bf16 before fp32 at each
+T; the default is both, priority first (cuda_shapes()).
+
+Correctness: "rel_err" is ||h - h_attnres|| / ||h_attnres|| of the
+forward output of each other implementation on the same inputs, once per
+shape (a wrong adapter or kernel shows there, it does not stop the run).
+
 Timing. CPU: fwd and fwd+bwd with torch.utils.benchmark's
 Timer.adaptive_autorange (warm-up, block size, at least 4 blocks, median);
 bwd, which needs an untimed forward before every timed call, with a plain
@@ -38,7 +58,10 @@ loop of --repeats calls (median). CUDA: CUDA events around every call, after
 a busy-wait kernel that lets the host queue the calls ahead of the GPU, so
 the times are device times without host overhead (small shapes on a large
 GPU last microseconds, comparable to the per-call host cost); median of
---repeats calls. Inputs are rotated among up to 4 sets, as many as it takes
+--repeats calls. Before every timed call (after the untimed forward of the
+bwd pass) a buffer of 4x the L2 size is zeroed, so no timed call finds its
+inputs in L2 (flush not timed: the start event is recorded after it;
+--no-flush to turn off). Inputs are rotated among up to 4 sets, as many as it takes
 for them to exceed 4x the largest CPU cache or the GPU's L2 together (memory
 permitting; a single set when one is that large).
 
@@ -56,7 +79,8 @@ gpu_<device>.{csv,md} (--out-dir to change; --quick defaults to a temporary
 folder and prefixes the names with "quick"), and copies under $OUT when set.
 Every CSV row is written and flushed as soon as it is measured, and the .md
 is rewritten after every row, so a run stopped by a timeout keeps what it
-measured.
+measured. --append adds the rows to an existing CSV of the same columns (the
+.md then covers all its rows): gpu_check.sh's stages share one CSV.
 
 --overhead: per-call host time of attnres.depth_attention (eager, forward
 only) at N in {3, 33, 121}, tokens=1, D=1024, fp32, on CPU, with inputs not
@@ -90,21 +114,25 @@ import torch.utils.benchmark as tbench  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))  # an in-place build works without installing
+sys.path.insert(0, HERE)
 
 import attnres  # noqa: E402
 from attnres import reference  # noqa: E402
 
+import peers  # noqa: E402  (benchmarks/peers.py)
+
 RESULTS = os.path.join(HERE, "results")
 
 COLUMNS = ["machine", "device", "dtype", "N", "tokens", "D", "pass", "impl", "ms", "gbps",
-           "pct_copy_bw", "peak_mib", "samples", "calls_per_sample"]
+           "pct_copy_bw", "peak_mib", "samples", "calls_per_sample", "rel_err", "note"]
 OVERHEAD_COLUMNS = ["machine", "dtype", "N", "tokens", "D", "requires_grad", "impl", "us_per_call",
                     "iqr_us", "min_us", "cpu_us_per_call", "cpu_iqr_us", "blocks", "calls_per_block", "git_head"]
-IMPLS = ("attnres", "eager", "compile")
+IMPLS = ("attnres", "eager", "compile", "fla", "liger")
 # Not run by default: attnres's kernels under a Python autograd.Function, the
 # path the package used before autograd moved to C++ (--impls attnres,attnres_pyautograd
-# compares the two autograd paths in one run).
-EXTRA_IMPLS = ("attnres_pyautograd",)
+# compares the two autograd paths in one run); FLA's opt-in Gluon kernels.
+EXTRA_IMPLS = ("attnres_pyautograd", "fla_gluon")
+PEER_IMPLS = tuple(peers.PEERS)
 
 # (dtype, N, tokens, D). CPU: the first row is the target configuration.
 CPU_SHAPES = [
@@ -116,26 +144,28 @@ CPU_SHAPES = [
 ]
 CPU_QUICK = [("float32", 4, 256, 1000), ("bfloat16", 3, 128, 64)]
 
-# CUDA: the grid bf16/fp32 x tokens {8192, 65536} x N {2, 9, 17, 33, 65} x
-# D {1024, 2048, 4096, 7168}, priority shapes first (benchmarks/NOTES.md §7:
-# the headline bf16 N=9 T=65536 D=4096, whose backward is not staged; the
-# forward at D = 1024 and 7168; fp32; many sources; a staged backward).
-CUDA_PRIORITY = [
-    ("bfloat16", 9, 65536, 4096),
-    ("bfloat16", 9, 65536, 1024),
-    ("bfloat16", 9, 65536, 7168),
-    ("float32", 9, 65536, 4096),
-    ("bfloat16", 33, 65536, 1024),
-    ("bfloat16", 2, 65536, 4096),
-]
-CUDA_SHAPES = list(CUDA_PRIORITY) + [
-    (dt, n, t, d)
-    for dt in ("bfloat16", "float32")
-    for t in (8192, 65536)
-    for n in (2, 9, 17, 33, 65)
-    for d in (1024, 2048, 4096, 7168)
-    if (dt, n, t, d) not in CUDA_PRIORITY
-]
+# CUDA, in the order measured (benchmarks/NOTES.md §7). Priority: bf16
+# T=65536, N {9, 17, 33} x D {4096, 1024, 7168}, the headline N=9 D=4096
+# first. Then the rest of the grid {bf16, fp32} x T {65536, 8192} x
+# N {9, 17, 33, 65, 2} x D {4096, 1024, 7168, 2048}: large T first, bf16
+# before fp32 at each T (a call that runs out of time has the large shapes).
+CUDA_PRIORITY = [("bfloat16", n, 65536, d) for n in (9, 17, 33) for d in (4096, 1024, 7168)]
+
+
+def cuda_shapes(which: str = "all"):
+    """'priority', 'rest' or 'all' (priority first, then the rest)."""
+    rest = [
+        (dt, n, t, d)
+        for t in (65536, 8192)
+        for dt in ("bfloat16", "float32")
+        for n in (9, 17, 33, 65, 2)
+        for d in (4096, 1024, 7168, 2048)
+        if (dt, n, t, d) not in CUDA_PRIORITY
+    ]
+    return {"priority": list(CUDA_PRIORITY), "rest": rest, "all": list(CUDA_PRIORITY) + rest}[which]
+
+
+CUDA_SHAPES = cuda_shapes("all")
 CUDA_QUICK = [(dt, n, 64, d) for dt in ("bfloat16", "float32") for n in (2, 3) for d in (64, 96)]
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -217,7 +247,7 @@ class Output:
     rewritten on demand, in the output folder and, when $OUT is set, also
     there."""
 
-    def __init__(self, out_dir: str, stem: str, columns):
+    def __init__(self, out_dir: str, stem: str, columns, append: bool = False):
         self.dirs = [out_dir]
         out_env = os.environ.get("OUT")
         if out_env and os.path.abspath(out_env) != os.path.abspath(out_dir):
@@ -225,14 +255,32 @@ class Output:
         self.columns = columns
         self.stem = stem
         self.files, self.writers = [], []
+        # With append, the rows already in the first folder's CSV (same
+        # columns) are kept, and returned by previous_rows for the .md.
+        self.previous_rows = []
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
-            f = open(os.path.join(d, stem + ".csv"), "w", newline="")
+            path = os.path.join(d, stem + ".csv")
+            keep = append and self._same_columns(path, columns)
+            if keep and d == self.dirs[0]:
+                with open(path, newline="") as f:
+                    self.previous_rows = list(csv.DictReader(f))
+            f = open(path, "a" if keep else "w", newline="")
             w = csv.DictWriter(f, fieldnames=columns)
-            w.writeheader()
+            if not keep:
+                w.writeheader()
             f.flush()
             self.files.append(f)
             self.writers.append(w)
+
+    @staticmethod
+    def _same_columns(path: str, columns) -> bool:
+        try:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), None)
+        except OSError:
+            return False
+        return header == list(columns)
 
     @property
     def csv_path(self):
@@ -243,6 +291,7 @@ class Output:
         return os.path.join(self.dirs[0], self.stem + ".md")
 
     def add(self, row: dict):
+        row = {c: row.get(c, "") for c in self.columns}
         for f, w in zip(self.files, self.writers):
             w.writerow(row)
             f.flush()
@@ -263,11 +312,19 @@ class Output:
 class DeviceTimer:
     SLEEP_CYCLES = 200_000_000  # about 0.1 s of busy-wait on the GPU
 
-    def __init__(self, device: str, repeats: int, min_run_s: float, max_run_s: float):
+    def __init__(self, device: str, repeats: int, min_run_s: float, max_run_s: float,
+                 flush_bytes: int = 0):
         self.cuda = device.startswith("cuda")
         self.repeats = repeats
         self.min_run_s = min_run_s
         self.max_run_s = max_run_s
+        # CUDA: zeroed before every timed call (evicts the inputs from L2).
+        self.flush_buf = (torch.empty(flush_bytes, dtype=torch.uint8, device=device)
+                          if self.cuda and flush_bytes > 0 else None)
+
+    def flush_l2(self):
+        if self.flush_buf is not None:
+            self.flush_buf.zero_()
 
     def sync(self):
         if self.cuda:
@@ -292,12 +349,14 @@ class DeviceTimer:
                 del arg
             return statistics.median(times), len(times), 1
         # CUDA: events around every call; the busy-wait kernel first lets the
-        # host queue every call before the GPU reaches them.
+        # host queue every call before the GPU reaches them. The L2 flush
+        # runs after the untimed prepare() and before the start event.
         torch.cuda._sleep(self.SLEEP_CYCLES)
         events = []
         for _ in range(self.repeats):
             arg = prepare() if prepare is not None else None
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.flush_l2()
             start.record()
             if prepare is not None:
                 call(arg)
@@ -502,6 +561,10 @@ def fmt_ms(ms: float) -> str:
 
 
 def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
+    """rows: measured rows and note rows (empty ms, a note), in CSV form."""
+    measured = [r for r in rows if r.get("ms")]
+    present = [i for i in IMPLS + EXTRA_IMPLS if any(r["impl"] == i for r in rows)]
+    others = [i for i in present if i != "attnres"]
     lines = [
         f"# attnres benchmark: {ctx['machine']}",
         "",
@@ -516,49 +579,82 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
         f"- timing: {ctx['timing']}; inputs rotated among up to 4 sets that together exceed 4x the "
         f"{'L2' if ctx['cuda'] else 'largest CPU'} cache ({ctx['cache_mib']:.0f} MiB) where memory allows",
         f"- compile: {ctx['compile']}",
+    ]
+    lines += [f"- {name}: {text}" for name, text in ctx.get("peers", {}).items()]
+    lines += [
         "",
         "GB/s counts the bytes the op must move (docs/design.md §5; fwd: (N+1)·tokens·D elements, "
         "bwd: (2N+1)·tokens·D, fwd+bwd: the sum); % is of the copy bandwidth above. "
         "fwd: forward alone, recording the graph; bwd: autograd.grad of a recorded forward (the forward "
-        "not timed); fwd+bwd: both; inputs require grad in all passes. vs eager / vs compile: their "
-        "time / attnres time (> 1: attnres faster). MiB: peak memory of one call, "
+        "not timed); fwd+bwd: both; inputs require grad in all passes. \"vs X\": X's time / attnres "
+        "time (> 1: attnres faster). MiB: peak memory of one call, "
         + ("torch.cuda.max_memory_allocated() minus the bytes allocated before the call."
            if ctx["cuda"] else
            "the most bytes held at once by tensors allocated during the call (torch.profiler "
-           "memory events, PyTorch CPU allocator only)."),
+           "memory events, PyTorch CPU allocator only).")
+        + " err: ||h - h_attnres|| / ||h_attnres|| of the forward output.",
         "",
-        "| dtype | N | tokens | D | pass | attnres ms | GB/s | % copy | eager ms | compile ms "
-        "| vs eager | vs compile | attnres MiB | eager MiB | compile MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | N | tokens | D | pass | attnres ms | GB/s | % copy | "
+        + "".join(f"{i} ms | " for i in others)
+        + "".join(f"vs {i} | " for i in others)
+        + "".join(f"{i} MiB | " for i in present)
+        + "".join(f"{i} err | " for i in others),
+        "|" + "---|" * (8 + 2 * len(others) + len(present) + len(others)),
     ]
     by_key = {}
-    for r in rows:
-        by_key.setdefault((r["dtype"], r["N"], r["tokens"], r["D"], r["pass"]), {})[r["impl"]] = r
+    for r in measured:
+        by_key.setdefault((r["dtype"], str(r["N"]), str(r["tokens"]), str(r["D"]), r["pass"]), {})[r["impl"]] = r
     for (dt, n, t, d, p), impls in by_key.items():
-        ours, eager, comp = impls.get("attnres"), impls.get("eager"), impls.get("compile")
+        ours = impls.get("attnres")
 
         def ms(r):
             return fmt_ms(float(r["ms"])) if r else "–"
 
         def mib(r):
-            return f"{float(r['peak_mib']):.1f}" if r and r["peak_mib"] != "" else "–"
+            return f"{float(r['peak_mib']):.1f}" if r and r.get("peak_mib") not in (None, "") else "–"
 
         def ratio(other):
             if ours is None or other is None:
                 return "–"
             return f"{float(other['ms']) / float(ours['ms']):.2f}x"
 
-        lines.append(
-            f"| {dt} | {n} | {t} | {d} | {p} | {ms(ours)} | {ours['gbps'] if ours else '–'} "
-            f"| {ours['pct_copy_bw'] + '%' if ours else '–'} | {ms(eager)} | {ms(comp)} "
-            f"| {ratio(eager)} | {ratio(comp)} | {mib(ours)} | {mib(eager)} | {mib(comp)} |"
-        )
-    if skipped:
-        lines += ["", "Skipped or failed:", ""] + [f"- {tag}: {why}" for tag, why in skipped]
+        def err(r):
+            return f"{float(r['rel_err']):.1e}" if r and r.get("rel_err") not in (None, "") else "–"
+
+        cells = [dt, n, t, d, p, ms(ours), ours["gbps"] if ours else "–",
+                 ours["pct_copy_bw"] + "%" if ours else "–"]
+        cells += [ms(impls.get(i)) for i in others]
+        cells += [ratio(impls.get(i)) for i in others]
+        cells += [mib(impls.get(i)) for i in present]
+        cells += [err(impls.get(i)) for i in others]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    notes = [(f"{r['dtype']} N={r['N']} tokens={r['tokens']} D={r['D']} {r['pass']} {r['impl']}", r["note"])
+             for r in rows if r.get("note") and not r.get("ms")]
+    if notes or skipped:
+        lines += ["", "Not measured (also rows in the CSV with a note):", ""]
+        lines += [f"- {tag}: {why}" for tag, why in notes + list(skipped)]
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- main benchmark
+
+
+def impl_function(impl: str, compile_mode: str, backend: str, compiled_dynamic):
+    """(fn(sources, query, gain), stacked) for a non-peer implementation."""
+    if impl == "attnres":
+        return attnres.depth_attention, False
+    if impl == "attnres_pyautograd":
+        return attnres_pyautograd, False
+    if impl == "eager":
+        return reference.depth_attention, False
+    if compile_mode == "static":
+        return torch.compile(reference.depth_attention, dynamic=False, backend=backend), False
+    return compiled_dynamic, True
+
+
+def relative_error(h: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = torch.linalg.vector_norm((h.float() - ref.float()))
+    return (diff / torch.linalg.vector_norm(ref.float()).clamp_min(1e-30)).item()
 
 
 def run_benchmark(args) -> int:
@@ -567,9 +663,13 @@ def run_benchmark(args) -> int:
     if cuda and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
     torch.manual_seed(0)
-    shapes = (parse_shapes(args.shapes) if args.shapes
-              else (CUDA_QUICK if args.quick else CUDA_SHAPES) if cuda
-              else (CPU_QUICK if args.quick else CPU_SHAPES))
+    if args.shapes in ("priority", "rest", "all"):
+        shapes = cuda_shapes(args.shapes) if cuda else (CPU_QUICK if args.quick else CPU_SHAPES)
+    elif args.shapes:
+        shapes = parse_shapes(args.shapes)
+    else:
+        shapes = ((CUDA_QUICK if args.quick else CUDA_SHAPES) if cuda
+                  else (CPU_QUICK if args.quick else CPU_SHAPES))
     passes = args.passes.split(",") if args.passes else (["fwd", "bwd"] if cuda else ["fwd", "bwd", "fwd+bwd"])
     impls = args.impls.split(",")
     for p in passes:
@@ -587,24 +687,32 @@ def run_benchmark(args) -> int:
 
     t_start = time.monotonic()
     machine = machine_name(device)
-    timer = DeviceTimer(device, repeats, min_run, max_run)
+    cache = cache_bytes(device)
+    flush = 0 if (args.no_flush or not cuda) else max(4 * cache, 64 << 20)
+    timer = DeviceTimer(device, repeats, min_run, max_run, flush_bytes=flush)
     if cuda:
         copy_n = (64 << 20) if args.quick else (2 << 30)
     else:
         biggest = max(n * t * d * 4 for _, n, t, d in shapes)
         copy_n = min(max(biggest, 64 << 20), 1 << 30)
     copy_gbps = copy_bandwidth_gbps(device, timer, copy_n)
-    cache = cache_bytes(device)
     print(f"machine: {machine}; torch {torch.__version__}; copy bandwidth {copy_gbps:.1f} GB/s "
           f"(read + write, {copy_n / 2**20:.0f} MiB)", flush=True)
 
-    out = Output(args.out_dir, file_stem(device, machine, args.quick), COLUMNS)
+    # The peers: why each cannot run here (None: it can), said once.
+    peer_status = {i: peers.unavailable(i, device) for i in impls if i in PEER_IMPLS}
+    for i, why in peer_status.items():
+        print(f"{i}: {why or 'runnable'}; {peers.PEERS[i].describe()}", flush=True)
+
+    out = Output(args.out_dir, file_stem(device, machine, args.quick), COLUMNS, append=args.append)
     ctx = dict(
         machine=machine, host=cpu_name() if cuda else "", cuda=cuda, copy_gbps=copy_gbps,
         copy_mib=copy_n / 2**20, cache_mib=cache / 2**20, git=git_state(), ext=extension_file(),
         command="python benchmarks/bench.py " + " ".join(args.argv),
         timing=("CUDA events per call after a busy-wait kernel, median of "
-                f"{repeats} calls after warm-up" if cuda else
+                f"{repeats} calls after warm-up, "
+                + (f"L2 flushed before every timed call (a {flush / 2**20:.0f} MiB buffer zeroed, not timed)"
+                   if flush else "L2 not flushed") if cuda else
                 "fwd and fwd+bwd: torch.utils.benchmark Timer.adaptive_autorange (threshold 0.1, "
                 f"min {min_run:g} s, max {max_run:g} s, at least 4 blocks), median per call; bwd: median of "
                 f"{repeats} calls, each after an untimed forward"),
@@ -612,12 +720,25 @@ def run_benchmark(args) -> int:
                  "compiled for every shape (stacking timed)" if compile_mode == "static" else
                  f"torch.compile(reference, dynamic=True, backend={backend!r}) on a pre-stacked "
                  "[N, tokens, D] tensor, one compilation per dtype (stacking not timed)"),
+        peers={i: f"{why or 'run'}; {peers.PEERS[i].describe()}" for i, why in peer_status.items()},
     )
-    out.write_md(results_md(ctx, [], [], time.monotonic() - t_start, done=False))
+    rows = list(out.previous_rows)
+    out.write_md(results_md(ctx, rows, [], time.monotonic() - t_start, done=False))
     compiled_dynamic = (torch.compile(reference.depth_attention, dynamic=True, backend=backend)
                         if "compile" in impls and compile_mode == "dynamic" else None)
 
-    rows, skipped, failures = [], [], 0
+    def base_row(dtype_name, N, T, D, pass_name, impl):
+        return {"machine": machine, "device": "cuda" if cuda else "cpu", "dtype": dtype_name,
+                "N": N, "tokens": T, "D": D, "pass": pass_name, "impl": impl}
+
+    def note_rows(dtype_name, N, T, D, impl, why, pass_names=None):
+        for pass_name in pass_names or passes:
+            row = {**base_row(dtype_name, N, T, D, pass_name, impl), "note": why}
+            out.add(row)
+            rows.append(row)
+        print(f"not measured: {dtype_name} N={N} tokens={T} D={D} {impl}: {why}", flush=True)
+
+    skipped, failures = [], 0
     for dtype_name, N, T, D in shapes:
         dtype = getattr(torch, dtype_name)
         tag = f"{dtype_name} N={N} tokens={T} D={D}"
@@ -640,22 +761,56 @@ def run_benchmark(args) -> int:
         sets = make_sets(n_sets, N, T, D, dtype, device)
         if "compile" in impls and compile_mode == "static":
             torch._dynamo.reset()
+        h_ours = None  # attnres's output on the first set, for rel_err
         for impl in impls:
-            if impl == "attnres":
-                fn, stacked = attnres.depth_attention, False
-            elif impl == "attnres_pyautograd":
-                fn, stacked = attnres_pyautograd, False
-            elif impl == "eager":
-                fn, stacked = reference.depth_attention, False
-            elif compile_mode == "static":
-                fn, stacked = torch.compile(reference.depth_attention, dynamic=False, backend=backend), False
+            if budget and time.monotonic() - t_start > budget:
+                note_rows(dtype_name, N, T, D, impl, f"time budget of {budget:.0f} s spent")
+                continue
+            if impl in PEER_IMPLS:
+                if peer_status[impl]:
+                    note_rows(dtype_name, N, T, D, impl, peer_status[impl])
+                    continue
+                try:
+                    fn, stacked = peers.load(impl), False
+                except Exception as exc:
+                    peer_status[impl] = f"import failed ({type(exc).__name__}: {exc})"[:300]
+                    note_rows(dtype_name, N, T, D, impl, peer_status[impl])
+                    continue
             else:
-                fn, stacked = compiled_dynamic, True
+                fn, stacked = impl_function(impl, compile_mode, backend, compiled_dynamic)
             try:
                 case = Case(fn, sets, stacked)
             except torch.OutOfMemoryError:
-                skipped.append((f"{tag} {impl}", "out of memory preparing the inputs"))
+                note_rows(dtype_name, N, T, D, impl, "out of memory preparing the inputs")
                 continue
+            rel_err = ""
+            if impl != "attnres":
+                try:
+                    if h_ours is None:
+                        srcs, q, g, _ = sets[0]
+                        h_ours = attnres.depth_attention(srcs, q, g).detach()
+                    # On the first set's leaves, as timed (inputs requiring
+                    # grad: compile compiles the training graph only once).
+                    first, q, g, _, _ = case.items[0]
+                    h = fn(first, q, g).detach()
+                    rel_err = f"{relative_error(h, h_ours):.3g}"
+                    del h
+                except peers.PeerUnsupported as exc:
+                    note_rows(dtype_name, N, T, D, impl, f"not supported: {exc}"[:300])
+                    continue
+                except torch.OutOfMemoryError:
+                    note_rows(dtype_name, N, T, D, impl, "out of memory")
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    continue
+                except Exception as exc:
+                    failures += impl not in PEER_IMPLS  # a peer's failure is reported, not ours
+                    msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                    note_rows(dtype_name, N, T, D, impl, f"failed ({msg})")
+                    traceback.print_exc()
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    continue
             for pass_name in passes:
                 call, prepare = {
                     "fwd": (case.forward, None),
@@ -672,31 +827,36 @@ def run_benchmark(args) -> int:
                         peak = peak_bytes(device, call)
                     seconds, samples, per = timer.measure(call, prepare)
                 except torch.OutOfMemoryError:
-                    skipped.append((f"{tag} {pass_name} {impl}", "out of memory"))
-                    print(f"skip {tag} {pass_name} {impl}: out of memory", flush=True)
+                    note_rows(dtype_name, N, T, D, impl, "out of memory", [pass_name])
                     if cuda:
                         torch.cuda.empty_cache()
                     continue
+                except peers.PeerUnsupported as exc:
+                    note_rows(dtype_name, N, T, D, impl, f"not supported: {exc}"[:300], [pass_name])
+                    continue
                 except Exception as exc:  # keep measuring the rest; reported and counted
-                    failures += 1
+                    failures += impl not in PEER_IMPLS
                     msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                    skipped.append((f"{tag} {pass_name} {impl}", f"failed ({msg})"))
+                    note_rows(dtype_name, N, T, D, impl, f"failed ({msg})", [pass_name])
                     print(f"FAILED {tag} {pass_name} {impl}:", file=sys.stderr)
                     traceback.print_exc()
+                    if cuda:
+                        torch.cuda.empty_cache()
                     continue
                 ms = seconds * 1e3
                 gbps = floor_bytes(pass_name, N, T, D, elem) / seconds / 1e9
-                row = {"machine": machine, "device": "cuda" if cuda else "cpu", "dtype": dtype_name,
-                       "N": N, "tokens": T, "D": D, "pass": pass_name, "impl": impl,
-                       "ms": f"{ms:.6g}", "gbps": f"{gbps:.2f}", "pct_copy_bw": f"{100 * gbps / copy_gbps:.1f}",
-                       "peak_mib": f"{peak / 2**20:.2f}", "samples": samples, "calls_per_sample": per}
+                row = {**base_row(dtype_name, N, T, D, pass_name, impl),
+                       "ms": f"{ms:.6g}", "gbps": f"{gbps:.4g}", "pct_copy_bw": f"{100 * gbps / copy_gbps:.3g}",
+                       "peak_mib": f"{peak / 2**20:.2f}", "samples": samples, "calls_per_sample": per,
+                       "rel_err": rel_err, "note": ""}
                 out.add(row)
                 rows.append(row)
                 out.write_md(results_md(ctx, rows, skipped, time.monotonic() - t_start, done=False))
                 print(f"{tag} {pass_name:7s} {impl:8s} {fmt_ms(ms):>9s} ms {gbps:8.1f} GB/s "
-                      f"{100 * gbps / copy_gbps:5.1f}% of copy, peak {peak / 2**20:8.1f} MiB", flush=True)
+                      f"{100 * gbps / copy_gbps:5.1f}% of copy, peak {peak / 2**20:8.1f} MiB"
+                      + (f", rel err {rel_err}" if rel_err else ""), flush=True)
             del case
-        del sets
+        del sets, h_ours
         if cuda:
             torch.cuda.empty_cache()
         out.write_md(results_md(ctx, rows, skipped, time.monotonic() - t_start, done=False))
@@ -846,12 +1006,20 @@ def parse_args(argv=None):
                     help="CPU fwd and fwd+bwd: Timer.adaptive_autorange min_run_time (default 1)")
     ap.add_argument("--max-run-s", type=float, default=10.0,
                     help="CPU fwd and fwd+bwd: Timer.adaptive_autorange max_run_time (default 10)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of attnres,eager,compile (and attnres_pyautograd: "
-                         "the kernels under a Python autograd.Function)")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help="comma-separated subset of attnres,eager,compile,fla,liger (default: all of them; "
+                         "also attnres_pyautograd: the kernels under a Python autograd.Function, and "
+                         "fla_gluon: FLA's opt-in Gluon kernels)")
     ap.add_argument("--passes", default=None,
                     help="comma-separated subset of fwd,bwd,fwd+bwd (default: CPU all three, CUDA fwd,bwd)")
     ap.add_argument("--shapes", default=None,
-                    help="override the shape list: dtype:N:tokens:D,... (e.g. bf16:9:65536:4096)")
+                    help="override the shape list: dtype:N:tokens:D,... (e.g. bf16:9:65536:4096), or "
+                         "priority / rest / all (CUDA: the priority shapes, the rest of the grid, both)")
+    ap.add_argument("--append", action="store_true",
+                    help="append to the CSV in the output folder if it has the same columns (the .md "
+                         "then covers all its rows) instead of starting it afresh")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="CUDA: do not flush L2 before every timed call")
     ap.add_argument("--compile", choices=("static", "dynamic"), default=None,
                     help="how the reference is compiled (default: static on CPU, dynamic on CUDA)")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor)")

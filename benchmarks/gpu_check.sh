@@ -1,25 +1,108 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (no network; torch + CUDA toolkit + triton
-# installed, python3 without a venv): build the extension in place, run the
-# CUDA tests, measure copy bandwidth and time attnres / eager / compile.
-# Designed to finish within 8 minutes: each stage has a time cap and the
-# benchmark gets what is left (GPU_CHECK_TOTAL_S, default 460 s). Results:
-# benchmarks/results/ and, when $OUT is set, copies there (log, CSV, markdown
-# table, kernel resource usage).
+# installed, python3 without a venv), at most GPU_CHECK_TOTAL_S (default
+# 460) seconds, every stage under a time cap, results written as measured.
+# Stages, in order (benchmarks/NOTES.md "gpu_check.sh" has the caps):
+#   1. machine info; the peers' wheels from .whl/ installed offline into
+#      $PEERS_DIR (no .whl/: the peers' rows say "not installed");
+#   2. peers' warm-up in the background on the idle GPU while 3 builds
+#      (Triton compiles + FLA's autotuning, cached on disk by Triton);
+#   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
+#      kernels; a short CUDA-vs-CPU smoke check;
+#   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
+#      7168}, fwd and bwd; attnres, eager, fla, liger, compile);
+#   5. whole-model compiled bf16 training step (24 layers, D=1024), one
+#      process per implementation: attnres, fla, eager;
+#   6. benchmark, the rest of the shapes;
+#   7. the long tests (pytest tests/python/test_cuda.py, test_ops.py -k cuda);
+#   8. compute-sanitizer (memcheck, racecheck) on small shapes.
+# Results: benchmarks/results/ and, when $OUT is set, $OUT: the CSV rows and
+# the log go there as they are written; the rest is copied at the end and by
+# an EXIT trap, so a run stopped early still returns what it had.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 TOTAL_S=${GPU_CHECK_TOTAL_S:-460}
+BUILD_S=${BUILD_S:-240}          # build cap
+WARM_S=${WARM_S:-200}            # peers' background warm-up cap (overlaps the build)
+SMOKE_S=${SMOKE_S:-45}
+PRIORITY_S=${PRIORITY_S:-120}    # benchmark of the priority shapes
+MODEL_IMPL_S=${MODEL_IMPL_S:-80} # whole-model step, per implementation
+TESTS_S=${TESTS_S:-120}          # long tests: at most this, at least TESTS_MIN_S if started
+TESTS_MIN_S=${TESTS_MIN_S:-30}
+SANITIZE_S=${SANITIZE_S:-40}     # compute-sanitizer: kept for the end
 RESULTS=benchmarks/results
 LOG="$RESULTS/gpu_check.log"
+PEERS_DIR=${PEERS_DIR:-/tmp/attnres-peers-site}
+# The priority shapes; tests/python/test_benchmarks.py checks they are bench.py's cuda_shapes("priority").
+PRIORITY_SHAPES="bf16:9:65536:4096,bf16:9:65536:1024,bf16:9:65536:7168,bf16:17:65536:4096,bf16:17:65536:1024,bf16:17:65536:7168,bf16:33:65536:4096,bf16:33:65536:1024,bf16:33:65536:7168"
+BENCH_IMPLS=${BENCH_IMPLS:-attnres,eager,fla,liger,compile}
+MODEL_IMPLS=${MODEL_IMPLS:-attnres fla eager}
 mkdir -p "$RESULTS"
+rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md  # this run's rows only (appended stage by stage)
+[ -n "${OUT:-}" ] && mkdir -p "$OUT"
 elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( TOTAL_S - $(elapsed) )); }
+min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
+WARM_PID=""
+
+copy_out() {
+  [ -n "$WARM_PID" ] && kill -TERM "$WARM_PID" 2>/dev/null
+  [ -z "${OUT:-}" ] && return 0
+  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
+           "$RESULTS/peers.txt" "$RESULTS/peers_warmup.log" "$RESULTS/sanitize.txt" \
+           "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out "$RESULTS"/tests_*.txt; do
+    [ -f "$f" ] && cp "$f" "$OUT/" 2>/dev/null
+  done
+  return 0
+}
+trap copy_out EXIT
+trap 'echo "gpu_check.sh: stopped by a signal after $(elapsed) s"; exit 143' TERM INT
+
+# A stage's cap: its own cap, but never past what is left minus what the
+# later stages keep ($2). Prints 0 when nothing is left.
+cap() { local c; c=$(min "$1" $(( $(left) - $2 ))); [ "$c" -lt 0 ] && c=0; echo "$c"; }
+
+install_peers() {
+  echo "== peers: install from .whl/ ($(elapsed) s)"
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "no .whl/ folder: fla and liger rows will say 'not installed'"
+    return 0
+  fi
+  ls .whl/
+  mkdir -p "$PEERS_DIR"
+  if ! timeout 60 python3 -m pip install --no-deps --no-index --no-compile --disable-pip-version-check \
+      --target "$PEERS_DIR" --upgrade .whl/*.whl >/dev/null 2>"$RESULTS/peers_pip.txt"; then
+    echo "pip install failed ($(tail -1 "$RESULTS/peers_pip.txt")); unpacking the wheels (all pure Python) instead"
+    python3 - "$PEERS_DIR" .whl/*.whl <<'PY'
+import sys, zipfile
+for w in sys.argv[2:]:
+    zipfile.ZipFile(w).extractall(sys.argv[1])
+    print("unpacked", w)
+PY
+  fi
+  # An einops/packaging the machine already has wins over ours (ours go last).
+  export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}:$PEERS_DIR"
+}
 
 run_all() {
-  echo "== machine"
+  echo "== machine ($(date -u +%FT%TZ))"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi not available"
-  python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
   command -v nvcc >/dev/null && nvcc --version | tail -1
+  nproc
+
+  export PYTHONPATH=python
+  install_peers
+  timeout 60 python3 benchmarks/peers.py --status 2>&1 | grep -v Warning | tee "$RESULTS/peers.txt"
+
+  # The GPU idles while the extension builds: compile (and, for FLA,
+  # autotune) the peers' kernels for the priority shapes now. Killed before
+  # the benchmark starts, whatever it has done by then.
+  echo "== peers' warm-up in the background (up to ${WARM_S} s, while building)"
+  timeout -k 5 "$WARM_S" python3 benchmarks/peers.py --warmup --shapes "$PRIORITY_SHAPES" \
+    --deadline-s $(( WARM_S - 20 )) > "$RESULTS/peers_warmup.log" 2>&1 &
+  WARM_PID=$!
 
   echo "== build ($(elapsed) s)"
   # CMake directly (CMakeLists.txt is the one build description; setup.py
@@ -30,21 +113,19 @@ run_all() {
     TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
       -DPython3_EXECUTABLE="$(command -v python3)" -DATTNRES_BUILD_PYTHON=ON
-    timeout 240 cmake --build build-gpu -j 16
+    timeout "$BUILD_S" cmake --build build-gpu -j "$(nproc)"
     cp build-gpu/_C*.so build-gpu/libattnres.so python/attnres/
   ) > "$RESULTS/build.log" 2>&1
   local build_rc=$?
   grep "attnres:" "$RESULTS/build.log"
+  echo "build rc=$build_rc after $(elapsed) s"
   if [ $build_rc -ne 0 ]; then
     echo "BUILD FAILED (rc=$build_rc); last lines of the build log:"
     tail -40 "$RESULTS/build.log"
     return 1
   fi
-  export PYTHONPATH=python
-  local so
-  so=python/attnres/libattnres.so
   if command -v cuobjdump >/dev/null; then
-    cuobjdump --dump-resource-usage "$so" > "$RESULTS/resource_usage.txt" 2>&1
+    cuobjdump --dump-resource-usage python/attnres/libattnres.so > "$RESULTS/resource_usage.txt" 2>&1
   fi
   # Fail fast: a build without CUDA kernels would spend the call on nothing.
   if ! python3 -c "import sys, torch, attnres; ok = torch._C._dispatch_has_kernel_for_dispatch_key('attnres::depth_attention_fwd', 'CUDA'); print('attnres CUDA kernels registered:', ok); sys.exit(0 if ok else 1)"; then
@@ -52,20 +133,8 @@ run_all() {
     return 1
   fi
 
-  echo "== tests ($(elapsed) s)"
-  if python3 -c "import pytest" 2>/dev/null; then
-    timeout 180 python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8
-    echo "test_cuda.py rc=$?"
-    if [ -f tests/python/test_ops.py ]; then
-      timeout 60 python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25
-      echo "test_ops.py -k cuda rc=$?"
-    else
-      echo "tests/python/test_ops.py not present: skipped"
-    fi
-  else
-    echo "pytest is not installed on this machine: the CUDA tests were NOT run;"
-    echo "running a smoke check instead (CUDA vs CPU kernels, forward and backward)"
-    timeout 120 python3 - <<'PY'
+  echo "== smoke check: CUDA vs CPU kernels, forward and backward ($(elapsed) s)"
+  timeout "$SMOKE_S" python3 - <<'PY'
 import torch, attnres
 bad = 0
 for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
@@ -86,17 +155,74 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"max rel err {max(errs):.2g}")
 print(f"smoke check: {bad} failure(s)")
 PY
+  echo "smoke rc=$?"
+
+  # The warm-up must not overlap the timed calls.
+  if kill -0 "$WARM_PID" 2>/dev/null; then
+    echo "peers' warm-up still running after the build: stopping it"
+    kill -TERM "$WARM_PID" 2>/dev/null
+  fi
+  wait "$WARM_PID" 2>/dev/null
+  WARM_PID=""
+  tail -12 "$RESULTS/peers_warmup.log"
+
+  # Later stages keep: model (3 impls) ~ a third of the rest, tests
+  # TESTS_MIN_S, sanitizer SANITIZE_S.
+  local c
+  c=$(cap "$PRIORITY_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== benchmark, priority shapes ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -gt 30 ]; then
+    timeout -k 10 "$c" python3 benchmarks/bench.py --device cuda --shapes priority --impls "$BENCH_IMPLS" \
+      --append --budget-s $(( c - 25 ))
+    echo "bench.py priority rc=$?"
+  else
+    echo "no time left"
   fi
 
-  # The compute-sanitizer stage after it keeps its SANITIZE_S (60 s).
-  local left=$(( TOTAL_S - ${SANITIZE_S:-60} - $(elapsed) ))
-  echo "== benchmark ($(elapsed) s elapsed, ${left} s left)"
-  if [ $left -gt 40 ]; then
-    timeout $(( left )) python3 benchmarks/bench.py --device cuda --budget-s $(( left - 30 ))
-    echo "bench.py rc=$?"
+  local k
+  k=$(echo $MODEL_IMPLS | wc -w)
+  for impl in $MODEL_IMPLS; do
+    # An equal share of what is left for the implementations not yet run.
+    c=$(cap "$MODEL_IMPL_S" $(( TESTS_MIN_S + SANITIZE_S )))
+    c=$(min "$c" $(( ( $(left) - TESTS_MIN_S - SANITIZE_S ) / k )))
+    k=$(( k - 1 ))
+    echo "== whole-model step: $impl ($(elapsed) s elapsed, cap ${c} s)"
+    if [ "$c" -gt 30 ]; then
+      timeout -k 10 "$c" python3 benchmarks/bench_model.py --device cuda --impls "$impl" --append --min-run-s 1 --warmup 2
+      echo "bench_model.py $impl rc=$?"
+    else
+      echo "no time left"
+    fi
+  done
+
+  c=$(cap 100000 $(( TESTS_S + SANITIZE_S )))
+  echo "== benchmark, the rest of the shapes ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -gt 40 ]; then
+    timeout -k 10 "$c" python3 benchmarks/bench.py --device cuda --shapes rest --impls "$BENCH_IMPLS" \
+      --append --budget-s $(( c - 30 ))
+    echo "bench.py rest rc=$?"
   else
-    echo "no time left for the benchmark"
+    echo "no time left"
   fi
+
+  c=$(cap "$TESTS_S" "$SANITIZE_S")
+  echo "== long tests ($(elapsed) s elapsed, cap ${c} s)"
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    echo "pytest is not installed on this machine: the CUDA tests were NOT run (the smoke check above did)"
+  elif [ "$c" -gt 15 ]; then
+    timeout -k 5 "$c" python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8 \
+      -p no:cacheprovider 2>&1 | tee "$RESULTS/tests_cuda.txt" | tail -40
+    echo "test_cuda.py rc=${PIPESTATUS[0]}"
+    c=$(cap 60 "$SANITIZE_S")
+    if [ -f tests/python/test_ops.py ] && [ "$c" -gt 15 ]; then
+      timeout -k 5 "$c" python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25 \
+        -p no:cacheprovider 2>&1 | tee "$RESULTS/tests_ops_cuda.txt" | tail -15
+      echo "test_ops.py -k cuda rc=${PIPESTATUS[0]}"
+    fi
+  else
+    echo "no time left for the tests"
+  fi
+
   sanitize_stage
   echo "== done in $(elapsed) s"
 }
@@ -105,11 +231,11 @@ PY
 # path: sub-warp / warp / block groups, staged and unstaged backward, > 64
 # sources (overflow table), strided and misaligned rows (scalar path),
 # fp32/bf16/fp16/fp64, the rare range paths (rows near the dtype's maximum).
-# After the priority stages; at most SANITIZE_S (default 60) seconds, less
+# The last stage; at most SANITIZE_S (default 40) seconds, less
 # when the budget is spent. Outcome in the log and in
 # $RESULTS/sanitize.txt ("compute-sanitizer memcheck: ok|FAILED|...").
 sanitize_stage() {
-  local budget=${SANITIZE_S:-60}
+  local budget=$SANITIZE_S
   local left=$(( TOTAL_S - $(elapsed) ))
   [ $left -lt $budget ] && budget=$left
   echo "== compute-sanitizer ($(elapsed) s elapsed, ${budget} s)"
@@ -182,14 +308,6 @@ PY
   [ "$status" = ok ]
 }
 
-run_all 2>&1 | tee "$LOG"
+run_all 2>&1 | tee "$LOG" ${OUT:+"$OUT/gpu_check.log"}
 rc=${PIPESTATUS[0]}
-if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT"
-  cp "$LOG" "$OUT/"
-  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
-           "$RESULTS/sanitize.txt" "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out; do
-    [ -f "$f" ] && cp "$f" "$OUT/"
-  done
-fi
 exit $rc

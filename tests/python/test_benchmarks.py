@@ -1,8 +1,11 @@
-"""The benchmark harness runs end to end (benchmarks/bench.py --quick, CPU).
+"""The benchmark harnesses run end to end on CPU (benchmarks/bench.py --quick,
+benchmarks/bench_model.py --tiny) and their CUDA-only parts are checked
+where a CPU can: the peers' skip rows, the CUDA shape order, the CSV written
+row by row, the depth-read swap of the model benchmark, and the peers'
+adapters against FLA's PyTorch reference / Liger's kernels under the Triton
+interpreter (when their wheels are in .whl/).
 
-Each test runs the script in a subprocess into a temporary folder (never
-benchmarks/results) and checks the CSV it writes: columns, one row per
-shape x implementation x pass, positive times.
+Each run goes into a temporary folder (never benchmarks/results).
 """
 import csv
 import importlib.util
@@ -15,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench.py"
+BENCH_MODEL = ROOT / "benchmarks" / "bench_model.py"
+PEERS = ROOT / "benchmarks" / "peers.py"
+GPU_CHECK = ROOT / "benchmarks" / "gpu_check.sh"
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +31,12 @@ def bench_module():
     return mod
 
 
-def run_bench(args, out_dir):
+def run_bench(args, out_dir, script=BENCH):
     env = dict(os.environ)
     env.pop("OUT", None)  # no copies anywhere else
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(BENCH), *args, "--out-dir", str(out_dir)],
+        [sys.executable, str(script), *args, "--out-dir", str(out_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
@@ -53,10 +59,20 @@ def test_quick_cpu_table(tmp_path, bench_module):
     shapes = bench_module.CPU_QUICK
     impls = ["attnres", "eager", "compile"]
     passes = ["fwd", "bwd", "fwd+bwd"]
+    # The peers (Triton, CUDA only) get a row per shape and pass saying why not.
+    peer_rows = [r for r in rows if r["impl"] in ("fla", "liger")]
+    rows = [r for r in rows if r["impl"] not in ("fla", "liger")]
+    assert sorted((r["dtype"], int(r["N"]), r["pass"], r["impl"]) for r in peer_rows) == sorted(
+        (s[0], s[1], p, i) for s in shapes for p in passes for i in ("fla", "liger"))
+    for r in peer_rows:
+        assert r["ms"] == "" and ("not installed" in r["note"] or "CPU" in r["note"]), r
     got = sorted((r["dtype"], int(r["N"]), int(r["tokens"]), int(r["D"]), r["pass"], r["impl"]) for r in rows)
     want = sorted((*s, p, i) for s in shapes for p in passes for i in impls)
     assert got == want
     for r in rows:
+        assert r["note"] == ""
+        if r["impl"] != "attnres":  # checked against attnres's output
+            assert float(r["rel_err"]) < 1e-2, r
         assert r["device"] == "cpu"
         assert float(r["ms"]) > 0 and float(r["gbps"]) > 0 and float(r["pct_copy_bw"]) > 0
         assert float(r["peak_mib"]) >= 0
@@ -79,3 +95,165 @@ def test_quick_overhead(tmp_path, bench_module):
         assert float(r["us_per_call"]) > 0 and float(r["min_us"]) > 0 and float(r["cpu_us_per_call"]) > 0
         assert r["git_head"]
     assert "code: git" in md and "| wrapper µs wall |" in md
+
+
+def test_cuda_shape_order(bench_module):
+    """Priority shapes first (bf16 T=65536, N {9,17,33} x D {1024,4096,7168},
+    the headline N=9 D=4096 leading), then the rest with T=65536 before 8192;
+    gpu_check.sh's warm-up list is the same priority list."""
+    prio = bench_module.cuda_shapes("priority")
+    assert prio[0] == ("bfloat16", 9, 65536, 4096)
+    assert sorted(prio) == sorted(("bfloat16", n, 65536, d) for n in (9, 17, 33) for d in (1024, 4096, 7168))
+    rest = bench_module.cuda_shapes("rest")
+    everything = bench_module.cuda_shapes("all")
+    assert everything == prio + rest == bench_module.CUDA_SHAPES
+    assert len(set(everything)) == len(everything) and not set(prio) & set(rest)
+    ts = [t for _, _, t, _ in rest]
+    assert ts == sorted(ts, reverse=True)  # all T=65536 before any T=8192
+    assert rest[0][0] == "bfloat16"
+    text = GPU_CHECK.read_text()
+    line = next(l for l in text.splitlines() if l.startswith("PRIORITY_SHAPES="))
+    listed = [tuple(x.split(":")) for x in line.split("=", 1)[1].strip('"').split(",")]
+    assert [("bfloat16", int(n), int(t), int(d)) for _, n, t, d in listed] == prio
+    assert all(dt == "bf16" for dt, *_ in listed)
+
+
+def test_csv_rows_flushed_and_appended(tmp_path, bench_module, monkeypatch):
+    """Each row is on disk as soon as it is added (a killed run keeps it), and
+    --append keeps the rows of the earlier stages."""
+    monkeypatch.delenv("OUT", raising=False)
+    out = bench_module.Output(str(tmp_path), "t", ["a", "b"])
+    out.add({"a": 1, "b": 2})
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,2"]  # before close
+    out.close()
+    again = bench_module.Output(str(tmp_path), "t", ["a", "b"], append=True)
+    assert again.previous_rows == [{"a": "1", "b": "2"}]
+    again.add({"a": 3})
+    again.close()
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,2", "3,"]
+    # Other columns: started afresh.
+    bench_module.Output(str(tmp_path), "t", ["c"], append=True).close()
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["c"]
+    # Two invocations of the script, the second appending.
+    args = ["--device", "cpu", "--quick", "--impls", "attnres", "--passes", "fwd",
+            "--shapes", "fp32:2:8:16"]
+    run_bench(args, tmp_path)
+    run_bench(args + ["--append"], tmp_path)
+    _, rows, md = read_single(tmp_path, "cpu_quick_*")
+    assert len(rows) == 2 and all(r["impl"] == "attnres" and float(r["ms"]) > 0 for r in rows)
+    assert md.count("| float32 | 2 | 8 | 16 | fwd |") == 1
+
+
+def test_peers_not_run_on_cpu(bench_module, monkeypatch):
+    peers = bench_module.peers  # benchmarks/peers.py, as bench.py imports it
+    assert peers.__file__ == str(PEERS)
+    assert set(peers.DEFAULT_PEERS) == {"fla", "liger"}
+    for name in peers.PEERS:
+        assert peers.unavailable(name, "cpu")  # a reason, never None on CPU
+    monkeypatch.setattr(peers, "installed", lambda name: True)
+    assert "CUDA" in peers.unavailable("fla", "cpu")
+    assert peers.unavailable("liger", "cuda") is None
+    monkeypatch.setattr(peers, "installed", lambda name: False)
+    assert "not installed" in peers.unavailable("fla", "cuda")
+
+
+def test_model_step_tiny(tmp_path):
+    """The whole-model benchmark's code path (tiny model, CPU, compile backend
+    'eager'): attnres and eager measured, FLA skipped with a row."""
+    proc = run_bench(["--device", "cpu", "--tiny", "--impls", "attnres,eager,fla", "--warmup", "1",
+                      "--min-run-s", "0.01"], tmp_path, script=BENCH_MODEL)
+    csvs = sorted(tmp_path.glob("cpu_model_tiny_*.csv"))
+    assert len(csvs) == 1, proc.stdout
+    with open(csvs[0], newline="") as f:
+        rows = {r["impl"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"attnres", "eager", "fla"}
+    for impl in ("attnres", "eager"):
+        r = rows[impl]
+        assert float(r["ms_per_step"]) > 0 and float(r["peak_mib"]) >= 0 and r["note"] == "", r
+        assert (r["layers"], r["d_model"], r["residual"], r["dtype"]) == ("2", "64", "full", "bfloat16")
+    assert rows["fla"]["ms_per_step"] == "" and rows["fla"]["note"]
+    assert "| attnres |" in sorted(tmp_path.glob("cpu_model_tiny_*.md"))[0].read_text()
+
+
+def test_swap_depth_reads():
+    """The model benchmark swaps every depth read of one model instance (the
+    same Parameters), and a swap to attnres's own function changes nothing."""
+    spec = importlib.util.spec_from_file_location("attnres_bench_model", BENCH_MODEL)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    import torch
+    import attnres
+    from attnres.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, residual="full")
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))  # non-zero queries
+    idx = torch.randint(0, 32, (2, 8))
+    want, _ = model(idx)
+    params = {id(p) for p in model.parameters()}
+    calls = []
+
+    def fn(sources, q, g, eps):
+        calls.append(len(sources))
+        return attnres.depth_attention(sources, q, g, eps=eps)
+
+    assert bm.swap_depth_reads(model, fn, "test") == 2 * cfg.n_layers + 1
+    assert {id(p) for p in model.parameters()} == params
+    got, _ = model(idx)
+    assert calls == list(range(1, 2 * cfg.n_layers + 2))
+    torch.testing.assert_close(got, want)
+
+
+def _peer_site(tmp_path):
+    import zipfile
+
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    names = " ".join(w.name for w in wheels)
+    if not ("fla_core" in names and "liger_kernel" in names and "einops" in names):
+        pytest.skip("the peers' wheels are not in .whl/ (pip download --no-deps -d .whl "
+                    "fla-core flash-linear-attention liger-kernel einops packaging)")
+    site = tmp_path / "site"
+    for w in wheels:
+        zipfile.ZipFile(w).extractall(site)
+    return site
+
+
+def test_peer_adapters_match_attnres(tmp_path):
+    """The adapters' argument mapping, forward and backward, against attnres
+    on CPU: fla_call with FLA's PyTorch reference naive_attnres (the fused
+    kernels refuse CPU tensors), liger_call with Liger's Triton kernels under
+    the Triton interpreter (TRITON_INTERPRET=1)."""
+    site = _peer_site(tmp_path)
+    code = f"""
+import sys, torch
+sys.path[:0] = [{str(ROOT / 'python')!r}, {str(ROOT / 'benchmarks')!r}]
+import attnres, peers
+from fla.ops.attnres import naive_attnres
+from liger_kernel.transformers.functional import liger_attn_res
+g = torch.Generator().manual_seed(0)
+for N, T, D in ((1, 3, 16), (5, 4, 32)):
+    srcs = [torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_(True) for _ in range(N)]
+    q = (torch.randn(D, generator=g, dtype=torch.float64) / D ** 0.5).requires_grad_(True)
+    w = (1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)).requires_grad_(True)
+    dh = torch.randn(T, D, generator=g, dtype=torch.float64)
+    ref = attnres.depth_attention(srcs, q, w, eps=1e-6)
+    want = torch.autograd.grad(ref, [*srcs, q, w], dh)
+    for name, call, tol in (("fla", lambda: peers.fla_call(srcs, q, w, 1e-6, impl=naive_attnres), 1e-5),  # FLA's reference computes in fp32
+                            ("liger", lambda: peers.liger_call([s.float() for s in srcs], q.float(), w.float(),
+                                                                1e-6, impl=liger_attn_res), 1e-4)):
+        h = call()
+        grads = torch.autograd.grad(h, [*srcs, q, w], dh.to(h.dtype))
+        err = max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip((h, *grads), (ref, *want)))
+        assert err < tol, (name, N, T, D, err)
+        print(name, N, T, D, "max rel err", err)
+print("adapters ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(site))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "adapters ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
