@@ -477,15 +477,16 @@ class _PythonAutogradDepthAttention(torch.autograd.Function):
     def forward(ctx, query, gain, *sources):
         with torch._C._AutoDispatchBelowAutograd():
             h, rstd, weights = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
-        ctx.save_for_backward(*sources, query, gain, rstd, weights)
+        ctx.save_for_backward(*sources, query, gain, h, rstd, weights)
         return h
 
     @staticmethod
     def backward(ctx, grad_out):
-        *sources, query, gain, rstd, weights = ctx.saved_tensors
+        *sources, query, gain, h, rstd, weights = ctx.saved_tensors
         with torch._C._AutoDispatchBelowAutograd():
             grads, grad_query, grad_gain = torch.ops.attnres.depth_attention_bwd(
-                grad_out, None, sources, query, gain, rstd, weights, 1.0, [True] * (len(sources) + 2))
+                grad_out, None, sources, query, gain, h, rstd, weights, 1.0,
+                [True] * (len(sources) + 2))
         return (grad_query, grad_gain, *grads)
 
 

@@ -147,7 +147,7 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         outs = []
         for dev in ("cpu", "cuda"):
             f = torch.ops.attnres.depth_attention_fwd([s.to(dev) for s in src], q.to(dev), w.to(dev), 1e-6, 0.8)
-            b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [s.to(dev) for s in src], q.to(dev), w.to(dev), f[1], f[2], 0.8, [True] * (n + 2))
+            b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [s.to(dev) for s in src], q.to(dev), w.to(dev), *f, 0.8, [True] * (n + 2))
             outs.append([f[0], f[2], *b[0], b[1], b[2]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= tol

@@ -143,6 +143,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  at::TensorList sources,
                                  const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
+                                 const at::Tensor& out,
                                  const at::Tensor& rstd,
                                  const at::Tensor& weights, double scale,
                                  const c10::List<bool>& output_mask) {
@@ -159,6 +160,17 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
     TORCH_CHECK_VALUE(grad_out->device() == src0.device(),
                       "grad_out must be on the sources' device");
   }
+  // The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
+  TORCH_CHECK_VALUE(out.defined(), "out (the forward's output h) must be a tensor");
+  check_dense(out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == src0.sizes(),
+                    "out (the forward's output h) must have the sources' shape ",
+                    src0.sizes(), ", got ", out.sizes());
+  TORCH_CHECK_TYPE(out.scalar_type() == src0.scalar_type(),
+                   "out (the forward's output h) must have the sources' dtype ",
+                   src0.scalar_type(), ", got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.device() == src0.device(),
+                    "out (the forward's output h) must be on the sources' device");
   const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
   auto check_stat = [&](const at::Tensor& t, const char* name) {

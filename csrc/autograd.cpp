@@ -32,7 +32,7 @@ using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using BackwardSignature = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::TensorList,
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    double, const c10::List<bool>&);
+    const at::Tensor&, double, const c10::List<bool>&);
 
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -50,11 +50,12 @@ class DepthAttentionBackwardFunction
                                const std::optional<at::Tensor>& grad_weights,
                                at::TensorList sources, const at::Tensor& query,
                                const std::optional<at::Tensor>& norm_weight,
-                               const at::Tensor& rstd, const at::Tensor& weights, double scale,
+                               const at::Tensor& out, const at::Tensor& rstd,
+                               const at::Tensor& weights, double scale,
                                const c10::List<bool>& output_mask) {
     auto [wanted, grad_query, grad_gain] = call_below_autograd<BackwardSignature>(
         "attnres::depth_attention_bwd", grad_out, grad_weights, sources, query, norm_weight,
-        rstd, weights, scale, output_mask);
+        out, rstd, weights, scale, output_mask);
     const size_t n = sources.size();
     if (output_mask.get(n)) wanted.push_back(grad_query);
     if (output_mask.get(n + 1)) wanted.push_back(grad_gain);
@@ -89,6 +90,10 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
     variable_list saved(sources.begin(), sources.end());
     saved.push_back(query);
     saved.push_back(norm_weight.value_or(at::Tensor()));
+    // h is an output of this node: saved as one (autograd's SavedVariable
+    // records is_output), so an in-place change of h before the backward
+    // is caught by its version counter instead of giving wrong gradients.
+    saved.push_back(out);
     saved.push_back(rstd);
     saved.push_back(weights);
     ctx->save_for_backward(saved);
@@ -102,12 +107,13 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const size_t n = saved.size() - 4;
+    const size_t n = saved.size() - 5;
     const std::vector<at::Tensor> sources(saved.begin(), saved.begin() + n);
     const at::Tensor& query = saved[n];
     const at::Tensor& norm_weight = saved[n + 1];
-    const at::Tensor& rstd = saved[n + 2];
-    const at::Tensor& weights = saved[n + 3];
+    const at::Tensor& out = saved[n + 2];
+    const at::Tensor& rstd = saved[n + 3];
+    const at::Tensor& weights = saved[n + 4];
     const bool has_gain = ctx->saved_data["has_gain"].toBool();
     // needs_input_grad counts the tensor inputs: sources, query, gain.
     c10::List<bool> mask;
@@ -122,7 +128,7 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
         DepthAttentionBackwardFunction::apply(defined_or_none(grad_out),
                                               defined_or_none(grad_weights),
                                               at::TensorList(sources), query,
-                                              defined_or_none(norm_weight), rstd, weights,
+                                              defined_or_none(norm_weight), out, rstd, weights,
                                               ctx->saved_data["scale"].toDouble(), mask),
         mask);
     for (size_t i = 0; i < n + 2; ++i) result[i] = computed[i];
@@ -144,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd_autograd(
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd_autograd(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
     at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out, const at::Tensor& rstd,
     const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
   check_dense_inputs(sources, "sources");
   for (const auto& [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{
@@ -153,21 +159,22 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> depth_attention_bwd_
     if (t->has_value() && (*t)->defined()) check_dense(**t, name);
   }
   check_dense(query, "query");
+  check_dense(out, "out");
   check_dense(rstd, "rstd");
   check_dense(weights, "weights");
-  variable_list out = DepthAttentionBackwardFunction::apply(
-      grad_out, grad_weights, sources, query, norm_weight, rstd, weights, scale, output_mask);
+  variable_list grads = DepthAttentionBackwardFunction::apply(
+      grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights, scale, output_mask);
   const size_t n = sources.size();
   at::Tensor grad_gain, grad_query;
   if (output_mask.get(n + 1)) {
-    grad_gain = out.back();
-    out.pop_back();
+    grad_gain = grads.back();
+    grads.pop_back();
   }
   if (output_mask.get(n)) {
-    grad_query = out.back();
-    out.pop_back();
+    grad_query = grads.back();
+    grads.pop_back();
   }
-  return {std::vector<at::Tensor>(out.begin(), out.end()), grad_query, grad_gain};
+  return {std::vector<at::Tensor>(grads.begin(), grads.end()), grad_query, grad_gain};
 }
 
 }  // namespace

@@ -74,11 +74,12 @@ BackwardResult run_backward(const DeviceKernels& kernels,
                             const std::optional<at::Tensor>& grad_weights,
                             at::TensorList sources, const at::Tensor& query,
                             const std::optional<at::Tensor>& norm_weight,
-                            const at::Tensor& rstd, const at::Tensor& weights,
-                            double scale, const c10::List<bool>& output_mask) {
+                            const at::Tensor& out, const at::Tensor& rstd,
+                            const at::Tensor& weights, double scale,
+                            const c10::List<bool>& output_mask) {
   const DepthProblem p =
       check_backward_args(grad_out, grad_weights, sources, query, norm_weight,
-                          rstd, weights, scale, output_mask);
+                          out, rstd, weights, scale, output_mask);
   if (kernels.check_supported) kernels.check_supported(p);
   const at::Tensor& src0 = sources[0];
   const c10::DeviceGuard guard(src0.device());
@@ -104,7 +105,7 @@ BackwardResult run_backward(const DeviceKernels& kernels,
         is_defined(grad_weights) ? grad_weights->contiguous() : at::Tensor();
     const at::Tensor rstd_c = rstd.contiguous();
     const at::Tensor weights_c = weights.contiguous();
-    kernels.backward({p, dh, gw, sources, u, rstd_c, weights_c, grads, z});
+    kernels.backward({p, dh, gw, sources, u, out, rstd_c, weights_c, grads, z});
   }
   at::Tensor grad_query, grad_gain;
   if (z.defined()) {

@@ -18,14 +18,17 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor weights)");
   // Backward, from the gradients of h and of the weights (either may be
   // absent): gradients of the sources, the query and the gain (for an
-  // absent gain, the gradient of an implicit all-ones gain). output_mask
+  // absent gain, the gradient of an implicit all-ones gain). `out` is the
+  // forward's h: sum_j a_j <dh, v_j> = <dh, h>, so the backward reads each
+  // source row once (docs/design.md §2). output_mask
   // has N + 2 entries (each source, query, norm_weight), as ATen's native
   // backward ops take: a gradient that is not asked for is not computed.
   // grad_sources holds the wanted source gradients only, in source order;
   // an unwanted query or gain gradient comes back undefined (None).
   m.def(
       "depth_attention_bwd(Tensor? grad_out, Tensor? grad_weights, "
-      "Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor rstd, "
+      "Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor out, "
+      "Tensor rstd, "
       "Tensor weights, float scale, bool[] output_mask) -> "
       "(Tensor[] grad_sources, Tensor grad_query, Tensor grad_norm_weight)");
 }
@@ -49,8 +52,9 @@ depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
                     const std::optional<at::Tensor>& grad_weights,
                     at::TensorList sources, const at::Tensor& query,
                     const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& rstd, const at::Tensor& weights,
-                    double scale, const c10::List<bool>& output_mask) {
+                    const at::Tensor& out, const at::Tensor& rstd,
+                    const at::Tensor& weights, double scale,
+                    const c10::List<bool>& output_mask) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnres::depth_attention_bwd", "")
@@ -58,22 +62,23 @@ depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
               const std::optional<at::Tensor>&,
               const std::optional<at::Tensor>&, at::TensorList,
               const at::Tensor&, const std::optional<at::Tensor>&,
-              const at::Tensor&, const at::Tensor&, double,
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
               const c10::List<bool>&)>();
-  return op.call(grad_out, grad_weights, sources, query, norm_weight, rstd,
-                 weights, scale, output_mask);
+  return op.call(grad_out, grad_weights, sources, query, norm_weight, out,
+                 rstd, weights, scale, output_mask);
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
 depth_attention_bwd(const at::Tensor& grad_out, at::TensorList sources,
                     const at::Tensor& query,
                     const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& rstd, const at::Tensor& weights,
-                    double scale) {
+                    const at::Tensor& out, const at::Tensor& rstd,
+                    const at::Tensor& weights, double scale) {
   c10::List<bool> every_gradient;
   for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
   return depth_attention_bwd(grad_out, std::nullopt, sources, query,
-                             norm_weight, rstd, weights, scale, every_gradient);
+                             norm_weight, out, rstd, weights, scale,
+                             every_gradient);
 }
 
 at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,

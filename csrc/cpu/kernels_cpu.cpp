@@ -269,13 +269,62 @@ int64_t forward_tile(int64_t D) {
   return std::clamp<int64_t>(bytes / (D * int64_t(sizeof(acc_t))), 1, 64);
 }
 
-// Backward tile: the second pass re-reads the tile's N rows per token, which
-// must still be in L2 (about 1 MiB of source rows per tile).
+// Backward tile, about 1 MiB of source rows: the two-pass form
+// (bf16/fp16) re-reads them from L2; the single pass sweeps each row twice
+// in a row (dp_i, then dv_i from L1), so for it the tile only makes the
+// reads of one source a stream and bounds the per-token buffers.
 template <typename scalar_t>
 int64_t backward_tile(int64_t N, int64_t D) {
   const int64_t bytes = 1024 * 1024;
   return std::clamp<int64_t>(bytes / (N * D * int64_t(sizeof(scalar_t))), 1,
                              64);
+}
+
+// The pivot's sweep of the single-pass backward (docs/design.md §2): from
+// its row v and the forward's output row h, <dh, v>, <u, v> and
+// <dh, h - v> = sum_{j != p} a_j (dp_j - dp_p) (sum_j a_j = 1), formed
+// from the difference h - v elementwise, so nothing cancels beyond it.
+// Once per pivoted token: two chains a reduction are enough.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void pivot_row_dots(const scalar_t* v, const scalar_t* h, const acc_t* dh,
+                    const acc_t* u, int64_t D, acc_t& dot_dh, acc_t& dot_u,
+                    acc_t& dot_dh_rest) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  AVec a[2], b[2], c[2];
+  for (int k = 0; k < 2; ++k) a[k] = b[k] = c[k] = AVec(acc_t(0));
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(h + j) + kPrefetchBytes, 0, 3);
+    AVec vv[L::kParts], hv[L::kParts];
+    L::load(v + j, vv);
+    L::load(h + j, hv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int ch = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
+      const int64_t o = j + k * AVec::size();
+      const AVec d = AVec::loadu(dh + o);
+      a[ch] = at::vec::fmadd(d, vv[k], a[ch]);
+      b[ch] = at::vec::fmadd(AVec::loadu(u + o), vv[k], b[ch]);
+      c[ch] = at::vec::fmadd(d, hv[k] - vv[k], c[ch]);
+    }
+  }
+  acc_t sa = hsum(a[0] + a[1]), sb = hsum(b[0] + b[1]), sc = hsum(c[0] + c[1]);
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    sa += dh[j] * vj;
+    sb += u[j] * vj;
+    sc += dh[j] * (static_cast<acc_t>(h[j]) - vj);
+  }
+  dot_dh = sa;
+  dot_u = sb;
+  dot_dh_rest = sc;
+}
+
+// dst += src (the finished token's z into its chunk's partial row).
+template <typename acc_t>
+void row_add(acc_t* dst, const acc_t* src, int64_t D) {
+  for (int64_t j = 0; j < D; ++j) dst[j] += src[j];
 }
 
 template <typename scalar_t>
@@ -395,8 +444,160 @@ void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
   }
 }
 
+// The single-pass backward of float32/float64 sources (docs/design.md §2,
+// §6, §8; bfloat16/float16 take backward_impl_two_pass below): per token,
+// sum_j a_j dp_j = <dh, h> comes from the forward's output h, so each
+// source row is read from memory once: one sweep forms dp_i and <u, v_i>,
+// and the next sweep, from L1, writes dv_i and adds alpha_i v_i to the
+// token's z. A token whose largest weight exceeds 1/2 (the pivot p) takes
+// the pivoted form: source p first, with <dh, h - v_p> from the same sweep
+// (pivot_row_dots). Rare tokens (rows near the dtype's limits) are found
+// per source and recomputed afterwards in the wide type; their partial z
+// is dropped, so nothing is counted twice.
 template <typename scalar_t>
 void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const DepthProblem& p = call.problem;
+  const int64_t N = p.N, D = p.D, T = p.T;
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
+  // The weights' own gradient enters as dp_i += grad_weights_i
+  // (docs/design.md §2).
+  const acc_t* gw_p = call.grad_weights.defined()
+                          ? call.grad_weights.const_data_ptr<acc_t>()
+                          : nullptr;
+  Rows dh_rows = as_rows(call.grad_out);
+  const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
+  Rows h_rows = as_rows(call.out);
+  const scalar_t* h_p = h_rows.tensor.const_data_ptr<scalar_t>();
+  std::vector<scalar_t*> dv_p(N, nullptr);  // null: gradient not wanted
+  for (int64_t i = 0; i < N; ++i) {
+    if (call.grad_sources[i].defined()) {
+      dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
+    }
+  }
+  const bool want_z = call.z.defined();
+
+  const int64_t max_chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
+  const int64_t chunk = (T + max_chunks - 1) / max_chunks;
+  const int64_t n_chunks = (T + chunk - 1) / chunk;
+  const int64_t tile = backward_tile<scalar_t>(N, D);
+  std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
+                             acc_t(0));
+
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<acc_t> dh(tile * D);
+    // Each token's own z: added to the chunk's row only when the token is
+    // not rare (the wide path adds its own).
+    std::vector<acc_t> z_tok(want_z ? tile * D : 0);
+    std::vector<acc_t> sum_rel(tile), dp_pivot(tile);
+    std::vector<int64_t> pivot_of(tile);
+    std::vector<char> rare(tile);
+    // One source row of one token: coefficients, the rare check, and (from
+    // L1) the wanted gradient and z terms.
+    auto finish_row = [&](int64_t i, int64_t k, int64_t t, acc_t dp, acc_t s) {
+      const acc_t a = w_p[i * T + t], r = rstd_p[i * T + t];
+      const acc_t dp_rel = dp - dp_pivot[k];
+      const auto g = math::source_grad_coefficients(a, r, s, dp_rel, sum_rel[k], D);
+      if (math::backward_row_is_rare(a, r, s, dp_rel, sum_rel[k], g)) {
+        rare[k] = 1;
+        return;
+      }
+      row_wanted_grads(dv_p[i] ? dv_p[i] + t * D : nullptr, src.row(i, t),
+                       dh.data() + k * D, u, g,
+                       want_z ? z_tok.data() + k * D : nullptr, D);
+    };
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      acc_t* z = want_z ? partial.data() + c * D : nullptr;
+      const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
+      for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
+        const int64_t n_tok = std::min(tile, c_end_tok - t0);
+        // Per token: dh, the pivot, and sum_j a_j dp_j from h (pivoted:
+        // relative to dp_p, with source p done here, first).
+        for (int64_t k = 0; k < n_tok; ++k) {
+          const int64_t t = t0 + k;
+          acc_t* dh_k = dh.data() + k * D;
+          row_load(dh_k, dh_p + t * dh_rows.row_stride, D);
+          if (want_z) std::fill_n(z_tok.data() + k * D, D, acc_t(0));
+          rare[k] = 0;
+          math::Pivot<acc_t> pivot;
+          for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
+          const scalar_t* h = h_p + t * h_rows.row_stride;
+          if (!pivot.pivoted()) {
+            acc_t dot_dh_h, unused;
+            row_two_dots<false>(h, dh_k, u, D, dot_dh_h, unused);
+            acc_t sum_gw = 0;
+            if (gw_p) {
+              for (int64_t j = 0; j < N; ++j) sum_gw += w_p[j * T + t] * gw_p[j * T + t];
+            }
+            pivot_of[k] = -1;
+            dp_pivot[k] = 0;
+            sum_rel[k] = dot_dh_h + sum_gw;
+            continue;
+          }
+          const int64_t piv = pivot.index;
+          acc_t dot_dh, dot_u, dot_dh_rest;
+          pivot_row_dots(src.row(piv, t), h, dh_k, u, D, dot_dh, dot_u, dot_dh_rest);
+          // sum_{j != p} a_j (gw_j - gw_p): the weights' gradient, pivoted too.
+          acc_t rest_gw = 0;
+          if (gw_p) {
+            const acc_t gw_piv = gw_p[piv * T + t];
+            for (int64_t j = 0; j < N; ++j) {
+              if (j != piv) rest_gw += w_p[j * T + t] * (gw_p[j * T + t] - gw_piv);
+            }
+            dot_dh += gw_piv;
+          }
+          pivot_of[k] = piv;
+          dp_pivot[k] = dot_dh;
+          sum_rel[k] = dot_dh_rest + rest_gw;
+          if (dv_p[piv] || want_z) {
+            finish_row(piv, k, t, dot_dh, math::score(rstd_p[piv * T + t], dot_u));
+          }
+        }
+        // The other sources, source-major: one read of each row from memory.
+        for (int64_t i = 0; i < N; ++i) {
+          if (!dv_p[i] && !want_z) continue;
+          for (int64_t k = 0; k < n_tok; ++k) {
+            if (rare[k] || pivot_of[k] == i) continue;
+            const int64_t t = t0 + k;
+            acc_t dot_dh, dot_u;
+            row_two_dots<false>(src.row(i, t), dh.data() + k * D, u, D, dot_dh, dot_u);
+            if (gw_p) dot_dh += gw_p[i * T + t];
+            finish_row(i, k, t, dot_dh, math::score(rstd_p[i * T + t], dot_u));
+          }
+        }
+        for (int64_t k = 0; k < n_tok; ++k) {
+          if (rare[k]) {
+            backward_token_wide(src, t0 + k, T, N, D, dh.data() + k * D, u, rstd_p,
+                                w_p, gw_p, dv_p, z);
+          } else if (want_z) {
+            row_add(z, z_tok.data() + k * D, D);
+          }
+        }
+      }
+    }
+  });
+  if (!want_z) return;
+
+  // Second pass of the parameter gradient: chunks summed in a fixed order.
+  acc_t* z = call.z.data_ptr<acc_t>();
+  at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
+    for (int64_t d = d0; d < d1; ++d) {
+      acc_t sum = 0;
+      for (int64_t c = 0; c < n_chunks; ++c) sum += partial[c * D + d];
+      z[d] = sum;
+    }
+  });
+}
+
+// The two-pass backward, kept for bfloat16/float16 sources: their h is
+// rounded to 8 (11) bits, and <dh, h> from it put the source and query
+// gradients at ~5x the eager reference's error (docs/design.md §8), so
+// sum_j a_j dp_j comes from the weights and the dp_j instead. Pass 1:
+// dp_i, s_i; pass 2 (rows re-read, from L2 within a tile): dv_i, z.
+template <typename scalar_t>
+void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   using acc_t = at::opmath_type<scalar_t>;
   const DepthProblem& p = call.problem;
   const int64_t N = p.N, D = p.D, T = p.T;
@@ -525,7 +726,11 @@ void backward(const BackwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
-        backward_impl<scalar_t>(call, src);
+        if constexpr (Lanes<scalar_t>::kReduced) {
+          backward_impl_two_pass<scalar_t>(call, src);
+        } else {
+          backward_impl<scalar_t>(call, src);
+        }
       });
 }
 

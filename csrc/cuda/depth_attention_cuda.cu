@@ -103,6 +103,10 @@ void forward(const ForwardCall& call) {
       });
 }
 
+// Still the two-pass backward (docs/design.md §2, §7): it takes
+// sum_j a_j dp_j from the saved weights and leaves call.out (the forward's
+// h, which the CPU's single-pass backward reads) unused. A single-pass CUDA
+// kernel is later work.
 void backward(const BackwardCall& call) {
   const DepthProblem& p = call.problem;
   const Rows dh = as_rows(call.grad_out);

@@ -141,7 +141,7 @@ def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
     return out, rstd, weights
 
 
-def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rstd, weights,
+def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights,
                         scale, output_mask) -> None:
     """Same checks and words as csrc/arguments.cpp's check_backward_args."""
     check_args(sources, query, norm_weight, 0.0, scale)
@@ -156,6 +156,21 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rst
             raise TypeError(f"grad_out must have the sources' dtype {src0.dtype}, got {grad_out.dtype}")
         if grad_out.device != src0.device:
             raise ValueError("grad_out must be on the sources' device")
+    # The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
+    if out is None:
+        raise ValueError("out (the forward's output h) must be a tensor")
+    _check_dense(out, "out")
+    if out.shape != src0.shape:
+        raise ValueError(
+            f"out (the forward's output h) must have the sources' shape {list(src0.shape)}, "
+            f"got {list(out.shape)}"
+        )
+    if out.dtype != src0.dtype:
+        raise TypeError(
+            f"out (the forward's output h) must have the sources' dtype {src0.dtype}, got {out.dtype}"
+        )
+    if out.device != src0.device:
+        raise ValueError("out (the forward's output h) must be on the sources' device")
     stat_shape = [len(sources), *src0.shape[:-1]]
     acc = _acc_dtype(src0.dtype)
     for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
@@ -176,10 +191,10 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rst
 
 
 @torch.library.register_fake("attnres::depth_attention_bwd")
-def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, rstd, weights,
-                              scale, output_mask):
-    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, rstd, weights, scale,
-                        output_mask)
+def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, out, rstd,
+                              weights, scale, output_mask):
+    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights,
+                        scale, output_mask)
     n = len(sources)
     # The wanted source gradients only, in source order.
     grads = [

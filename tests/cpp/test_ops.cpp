@@ -362,15 +362,15 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
                      const std::optional<at::Tensor>&,
                      const std::optional<at::Tensor>&, at::TensorList,
                      const at::Tensor&, const std::optional<at::Tensor>&,
-                     const at::Tensor&, const at::Tensor&, double,
-                     const c10::List<bool>&)>();
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     double, const c10::List<bool>&)>();
   c10::List<bool> every_gradient;
   for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
   const auto [gs_typed, gq_typed, gg_typed] =
-      bwd.call(grad_out, std::nullopt, sources, query, gain, rstd, weights,
+      bwd.call(grad_out, std::nullopt, sources, query, gain, h, rstd, weights,
                kScale, every_gradient);
   const auto [gs, gq, gg] = attnres::depth_attention_bwd(
-      grad_out, sources, query, gain, rstd, weights, kScale);
+      grad_out, sources, query, gain, h, rstd, weights, kScale);
   ASSERT_EQ(gs_typed.size(), sources.size());
   for (size_t i = 0; i < gs.size(); ++i) {
     EXPECT_TRUE(at::equal(gs[i], gs_typed[i])) << "source " << i;
@@ -440,7 +440,7 @@ TEST(KnownAnswer, OneSourceIsTheIdentity) {
 
     const at::Tensor grad_out = random_tensor({4, 13}, dtype);
     const auto [grad_sources, grad_query, grad_gain] =
-        attnres::depth_attention_bwd(grad_out, sources, query, gain, rstd,
+        attnres::depth_attention_bwd(grad_out, sources, query, gain, h, rstd,
                                      weights, kScale);
     EXPECT_TRUE(at::equal(grad_sources[0], grad_out));
     EXPECT_TRUE(at::equal(grad_query, at::zeros({13}, dtype)));
@@ -534,7 +534,7 @@ TEST_P(DepthAttentionVsComposite, Backward) {
       attnres::depth_attention_fwd(sources, query, gain, eps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), c.dtype);
   const auto [grad_sources, grad_query, grad_gain] =
-      attnres::depth_attention_bwd(grad_out, sources, query, gain, rstd,
+      attnres::depth_attention_bwd(grad_out, sources, query, gain, h, rstd,
                                    weights, kScale);
   const CompositeGrads ref =
       composite_backward(sources, query, gain, grad_out, eps, kScale);
@@ -597,9 +597,9 @@ TEST(Layout, StridedSourcesMatchContiguousCopies) {
 
   const at::Tensor grad_out = random_tensor({D, 6}, at::kFloat).t();
   const auto [gs, gq, gg] = attnres::depth_attention_bwd(
-      grad_out, strided, query, gain, rstd, weights, kScale);
+      grad_out, strided, query, gain, h, rstd, weights, kScale);
   const auto [gs_c, gq_c, gg_c] = attnres::depth_attention_bwd(
-      grad_out.contiguous(), contiguous, query, gain, rstd_c, weights_c,
+      grad_out.contiguous(), contiguous, query, gain, h_c, rstd_c, weights_c,
       kScale);
   for (size_t i = 0; i < gs.size(); ++i) {
     EXPECT_TRUE(at::equal(gs[i], gs_c[i])) << "source " << i;
@@ -620,7 +620,7 @@ TEST(Layout, ZeroTokens) {
   EXPECT_EQ(weights.sizes(), at::IntArrayRef({3, 0}));
 
   const auto [gs, gq, gg] = attnres::depth_attention_bwd(
-      at::empty({0, D}, at::kFloat), sources, query, std::nullopt, rstd,
+      at::empty({0, D}, at::kFloat), sources, query, std::nullopt, h, rstd,
       weights, kScale);
   ASSERT_EQ(gs.size(), 3u);
   for (const auto& g : gs) EXPECT_EQ(g.sizes(), at::IntArrayRef({0, D}));
@@ -647,7 +647,7 @@ TEST(Determinism, BackwardBitsDoNotDependOnThreadCount) {
   for (int threads : {1, 2, 1, 3}) {
     at::set_num_threads(threads);
     runs.push_back(attnres::depth_attention_bwd(grad_out, sources, query, gain,
-                                                rstd, weights, kScale));
+                                                h, rstd, weights, kScale));
   }
   at::set_num_threads(saved_threads);
 
@@ -754,21 +754,29 @@ TEST_F(BadInput, BackwardStatisticsAndGradOut) {
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
   auto backward = [&](const at::Tensor& go, const at::Tensor& r,
-                      const at::Tensor& w) {
+                      const at::Tensor& w, const at::Tensor& out) {
     return [=] {
-      attnres::depth_attention_bwd(go, sources, query, gain, r, w, kScale);
+      attnres::depth_attention_bwd(go, sources, query, gain, out, r, w, kScale);
     };
   };
   expect_error<c10::ValueError>(
-      backward(random_tensor({5, D}, at::kFloat), rstd, weights),
+      backward(random_tensor({5, D}, at::kFloat), rstd, weights, h),
       "grad_out must have the sources' shape");
-  expect_error<c10::TypeError>(backward(grad_out.to(at::kDouble), rstd, weights),
+  expect_error<c10::TypeError>(backward(grad_out.to(at::kDouble), rstd, weights, h),
                                "grad_out must have the sources' dtype");
-  expect_error<c10::ValueError>(backward(grad_out, rstd.slice(0, 0, 2), weights),
+  expect_error<c10::ValueError>(backward(grad_out, rstd.slice(0, 0, 2), weights, h),
                                 "rstd must have shape [N, ...] = [3, 4]");
   expect_error<c10::TypeError>(
-      backward(grad_out, rstd, weights.to(at::kDouble)),
+      backward(grad_out, rstd, weights.to(at::kDouble), h),
       "weights must have dtype Float");
+  // The forward's h (saved for the single-pass backward): the sources'
+  // shape and dtype.
+  expect_error<c10::ValueError>(
+      backward(grad_out, rstd, weights, h.slice(0, 0, 2)),
+      "out (the forward's output h) must have the sources' shape");
+  expect_error<c10::TypeError>(
+      backward(grad_out, rstd, weights, h.to(at::kDouble)),
+      "out (the forward's output h) must have the sources' dtype");
 }
 
 }  // namespace

@@ -275,12 +275,13 @@ DEVICES = [
 ]
 
 
-def backward_op(grad_out, sources, query, norm_weight, rstd, weights, scale, *,
+def backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, scale, *,
                 grad_weights=None, output_mask=None):
     """torch.ops.attnres.depth_attention_bwd with every gradient wanted by
     default (output_mask: N + 2 flags, each source, query, norm_weight)."""
     if output_mask is None:
         output_mask = [True] * (len(sources) + 2)
     return torch.ops.attnres.depth_attention_bwd(
-        grad_out, grad_weights, list(sources), query, norm_weight, rstd, weights, scale, output_mask
+        grad_out, grad_weights, list(sources), query, norm_weight, out, rstd, weights, scale,
+        output_mask
     )

@@ -126,20 +126,53 @@ def test_backward_op_computes_only_what_the_mask_asks(device):
     gen = torch.Generator().manual_seed(8)
     srcs = make_sources(4, (3, 2), 24, torch.float32, device, gen)
     q, g = make_params(24, torch.float32, device, gen)
-    _, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
+    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
     dh = torch.randn(srcs[0].shape, generator=gen).to(device)
     gw = torch.randn(w.shape, generator=gen).to(device)
-    full_s, full_q, full_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, grad_weights=gw)
+    full_s, full_q, full_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw)
     mask = [False, True, False, True, False, True]
-    part_s, part_q, part_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, grad_weights=gw, output_mask=mask)
+    part_s, part_q, part_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw, output_mask=mask)
     assert len(part_s) == 2 and part_q is None
     torch.testing.assert_close(part_s[0], full_s[1], rtol=0, atol=0)
     torch.testing.assert_close(part_s[1], full_s[3], rtol=0, atol=0)
     torch.testing.assert_close(part_g, full_g, rtol=0, atol=0)
-    none_s, none_q, none_g = backward_op(dh, srcs, q, g, rstd, w, 0.9, output_mask=[False] * 6)
+    none_s, none_q, none_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, output_mask=[False] * 6)
     assert none_s == [] and none_q is None and none_g is None
     with pytest.raises(ValueError, match=r"output_mask must have N \+ 2 = 6 entries"):
-        backward_op(dh, srcs, q, g, rstd, w, 0.9, output_mask=[True] * 5)
+        backward_op(dh, srcs, q, g, h, rstd, w, 0.9, output_mask=[True] * 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_checks_the_saved_output(device):
+    """The forward's h (read by the single-pass backward for <dh, h>) must
+    have the sources' shape, dtype and device: the op and its fake kernel
+    (meta tensors, torch.compile) raise the same words."""
+    gen = torch.Generator().manual_seed(10)
+    srcs = make_sources(3, (4,), 16, torch.float32, device, gen)
+    q, g = make_params(16, torch.float32, device, gen)
+    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    dh = torch.randn(h.shape, generator=gen).to(device)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    for to in (lambda t: t, meta):
+        args = (to(dh), [to(s) for s in srcs], to(q), to(g))
+        stats = (to(rstd), to(w), 1.0)
+        with pytest.raises(ValueError, match=r"out \(the forward's output h\) must have the sources' shape"):
+            backward_op(*args, to(h[:2]), *stats)
+        with pytest.raises(TypeError, match=r"out \(the forward's output h\) must have the sources' dtype"):
+            backward_op(*args, to(h.double()), *stats)
+    with pytest.raises(ValueError, match=r"out \(the forward's output h\) must be on the sources' device"):
+        backward_op(dh, srcs, q, g, meta(h), rstd, w, 1.0)
+
+
+def test_in_place_change_of_h_before_backward_raises():
+    """h is saved for the backward as an output of the forward's node: an
+    in-place change is caught by its version counter, not silently used."""
+    srcs = [torch.randn(3, 8, requires_grad=True) for _ in range(3)]
+    q = torch.randn(8, requires_grad=True)
+    h = attnres.depth_attention(srcs, q)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()
 
 
 def test_second_derivatives_raise_a_clear_error():

@@ -91,11 +91,11 @@ def test_cpu_and_cuda_agree(N, lead, D, dtype):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_rel_close(b, a, tol, name)
     bwd_cpu = backward_op(
-        grad_out, sources, query, norm_weight, fwd_cpu[1], fwd_cpu[2], scale
+        grad_out, sources, query, norm_weight, *fwd_cpu, scale
     )
     bwd_gpu = backward_op(
         grad_out.cuda(), cuda_args(sources), query.cuda(), norm_weight.cuda(),
-        fwd_gpu[1], fwd_gpu[2], scale,
+        *fwd_gpu, scale,
     )
     for i, (a, b) in enumerate(zip(bwd_cpu[0], bwd_gpu[0])):
         assert_close_rel(b, a, dtype, f"grad of sources[{i}]")
@@ -128,10 +128,10 @@ def test_opcheck(dtype, gain):
     q = query.detach().clone().requires_grad_(True)
     w = norm_weight.detach().clone().requires_grad_(True) if gain else None
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (srcs, q, w, 1e-6, 0.9))
-    _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
+    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
     torch.library.opcheck(
         torch.ops.attnres.depth_attention_bwd.default,
-        (grad_out, None, sources, query, norm_weight, rstd, weights, 0.9, [True] * (len(sources) + 2)),
+        (grad_out, None, sources, query, norm_weight, h, rstd, weights, 0.9, [True] * (len(sources) + 2)),
     )
 
 
@@ -164,7 +164,7 @@ def test_cuda_graph_capture_and_replay():
     def step():
         out, rstd, weights = torch.ops.attnres.depth_attention_fwd(static_src, static_q, static_w, eps, scale)
         grads, gq, gw = backward_op(
-            static_dh, static_src, static_q, static_w, rstd, weights, scale
+            static_dh, static_src, static_q, static_w, out, rstd, weights, scale
         )
         return [out, rstd, weights, *grads, gq, gw]
 
@@ -206,7 +206,7 @@ def test_more_than_2_31_elements():
     norm_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
     grad_out = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     out, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
-    grads, _, _ = backward_op(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+    grads, _, _ = backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, 1.0)
     for rows in (slice(0, 4), slice(T - 4, T)):
         sub = [s[rows] for s in sources]
         rh, _, rgs, _, _ = reference_fwd_bwd(sub, query, norm_weight, grad_out[rows], eps=1e-6, scale=1.0)
@@ -223,9 +223,9 @@ def test_more_than_2_31_elements():
 ])
 def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
-    _, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
     runs = [
-        backward_op(grad_out, sources, query, norm_weight, rstd, weights, 1.0)
+        backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)
         for _ in range(2)
     ]
     (g1, q1, w1), (g2, q2, w2) = runs

@@ -152,15 +152,15 @@ def test_opcheck_backward(device, dtype, with_gain):
     srcs = [s.detach() for s in srcs]
     q = q.detach()
     g = g.detach() if g is not None else None
-    _, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.5)
+    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.5)
     dh = torch.randn_like(srcs[0])
     n = len(srcs)
     bwd = torch.ops.attnres.depth_attention_bwd.default
-    opcheck(bwd, (dh, None, srcs, q, g, rstd, w, 0.5, [True] * (n + 2)))
+    opcheck(bwd, (dh, None, srcs, q, g, h, rstd, w, 0.5, [True] * (n + 2)))
     # With a gradient of the weights, and only some gradients wanted.
     gw = torch.randn_like(w)
-    opcheck(bwd, (dh, gw, srcs, q, g, rstd, w, 0.5, [False, True] + [True] * (n - 2) + [True, False]))
-    opcheck(bwd, (None, gw, srcs, q, g, rstd, w, 0.5, [True] * n + [False, False]))
+    opcheck(bwd, (dh, gw, srcs, q, g, h, rstd, w, 0.5, [False, True] + [True] * (n - 2) + [True, False]))
+    opcheck(bwd, (None, gw, srcs, q, g, h, rstd, w, 0.5, [True] * n + [False, False]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -299,14 +299,14 @@ def test_parameter_grads_bitwise_deterministic_across_threads(device):
     gen = torch.Generator().manual_seed(17)
     srcs = make_sources(9, (257, 3), 130, torch.float32, device, gen)
     q, g = make_params(130, torch.float32, device, gen)
-    _, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     dh = torch.randn(srcs[0].shape, generator=gen).to(device)
     before = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 2, max(2, before), 1):
             torch.set_num_threads(threads)
-            results.append(backward_op(dh, srcs, q, g, rstd, w, 1.0))
+            results.append(backward_op(dh, srcs, q, g, h, rstd, w, 1.0))
     finally:
         torch.set_num_threads(before)
     first = results[0]

@@ -33,6 +33,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  at::TensorList sources,
                                  const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
+                                 const at::Tensor& out,
                                  const at::Tensor& rstd,
                                  const at::Tensor& weights, double scale,
                                  const c10::List<bool>& output_mask);

@@ -33,7 +33,8 @@ struct ForwardCall {
 };
 
 // What a device's backward kernel gets. grad_out is always defined (zeros
-// when h had no gradient); grad_weights [N, ...] (accumulation dtype,
+// when h had no gradient); out is the forward's h (the sources' shape and
+// dtype, any strides: as_rows), from which sum_j a_j dp_j = <dh, h>; grad_weights [N, ...] (accumulation dtype,
 // contiguous) is undefined when the weights had none. grad_sources holds
 // one contiguous tensor to fill per source whose gradient is wanted and an
 // undefined one otherwise; z [D] (accumulation dtype) is to be set to the
@@ -46,6 +47,7 @@ struct BackwardCall {
   const at::Tensor& grad_weights;
   at::TensorList sources;
   const at::Tensor& u;
+  const at::Tensor& out;      // the forward's h
   const at::Tensor& rstd;     // contiguous
   const at::Tensor& weights;  // contiguous
   std::vector<at::Tensor>& grad_sources;
@@ -73,8 +75,9 @@ BackwardResult run_backward(const DeviceKernels& kernels,
                             const std::optional<at::Tensor>& grad_weights,
                             at::TensorList sources, const at::Tensor& query,
                             const std::optional<at::Tensor>& norm_weight,
-                            const at::Tensor& rstd, const at::Tensor& weights,
-                            double scale, const c10::List<bool>& output_mask);
+                            const at::Tensor& out, const at::Tensor& rstd,
+                            const at::Tensor& weights, double scale,
+                            const c10::List<bool>& output_mask);
 
 // Registers a device's kernels for both ops under its dispatch key:
 //   TORCH_LIBRARY_IMPL(attnres, CPU, m) { register_device_kernels<kCpu>(m); }
@@ -91,10 +94,12 @@ void register_device_kernels(torch::Library& m) {
             const std::optional<at::Tensor>& grad_weights,
             at::TensorList sources, const at::Tensor& query,
             const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& rstd, const at::Tensor& weights, double scale,
+            const at::Tensor& out, const at::Tensor& rstd,
+            const at::Tensor& weights, double scale,
             const c10::List<bool>& output_mask) {
            return run_backward(kernels, grad_out, grad_weights, sources, query,
-                               norm_weight, rstd, weights, scale, output_mask);
+                               norm_weight, out, rstd, weights, scale,
+                               output_mask);
          });
 }
 

@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
     const std::optional<at::Tensor>& norm_weight, double eps, double scale);
 
 // Backward from the gradients of h and of the weights (either may be
-// absent). output_mask: N + 2 flags (each source, query, norm_weight); a
+// absent), given the forward's three outputs out (h), rstd and weights. output_mask: N + 2 flags (each source, query, norm_weight); a
 // gradient not asked for is not computed. The first result holds the wanted
 // source gradients only, in source order; an unwanted query or gain
 // gradient is undefined. The gain gradient can be asked for even when
@@ -49,15 +49,16 @@ depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
                     const std::optional<at::Tensor>& grad_weights,
                     at::TensorList sources, const at::Tensor& query,
                     const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& rstd, const at::Tensor& weights,
-                    double scale, const c10::List<bool>& output_mask);
+                    const at::Tensor& out, const at::Tensor& rstd,
+                    const at::Tensor& weights, double scale,
+                    const c10::List<bool>& output_mask);
 
 // Every gradient, from the gradient of h alone.
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
 depth_attention_bwd(const at::Tensor& grad_out, at::TensorList sources,
                     const at::Tensor& query,
                     const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& rstd, const at::Tensor& weights,
-                    double scale);
+                    const at::Tensor& out, const at::Tensor& rstd,
+                    const at::Tensor& weights, double scale);
 
 }  // namespace attnres
