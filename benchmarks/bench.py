@@ -544,9 +544,13 @@ class Case:
         return self.backward(self.record())
 
 
-def floor_bytes(pass_name: str, N: int, T: int, D: int, elem: int) -> int:
+def floor_bytes(pass_name: str, N: int, T: int, D: int, elem: int, reads_h: bool = False) -> int:
+    """Bytes the op's design moves (docs/design.md §5): forward N sources read + h written;
+    backward N sources and dh read + N gradients written, plus the h row read where the
+    backward is single-pass (reads_h: CPU float32/float64). The two-pass form (CPU bf16/fp16,
+    CUDA) re-reads the sources from cache, so it moves the (2N+1) floor."""
     fwd = (N + 1) * T * D * elem
-    bwd = (2 * N + 1) * T * D * elem
+    bwd = (2 * N + 1 + int(reads_h)) * T * D * elem
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_name]
 
 
@@ -585,7 +589,8 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
     lines += [
         "",
         "GB/s counts the bytes the op must move (docs/design.md §5; fwd: (N+1)·tokens·D elements, "
-        "bwd: (2N+1)·tokens·D, fwd+bwd: the sum); % is of the copy bandwidth above. "
+        "bwd: (2N+1)·tokens·D, (2N+2) where the CPU backward is single-pass and reads h (float32/float64), "
+        "fwd+bwd: the sum); % is of the copy bandwidth above. "
         "fwd: forward alone, recording the graph; bwd: autograd.grad of a recorded forward (the forward "
         "not timed); fwd+bwd: both; inputs require grad in all passes. \"vs X\": X's time / attnres "
         "time (> 1: attnres faster). MiB: peak memory of one call, "
@@ -845,7 +850,8 @@ def run_benchmark(args) -> int:
                         torch.cuda.empty_cache()
                     continue
                 ms = seconds * 1e3
-                gbps = floor_bytes(pass_name, N, T, D, elem) / seconds / 1e9
+                reads_h = not cuda and dtype in (torch.float32, torch.float64)
+                gbps = floor_bytes(pass_name, N, T, D, elem, reads_h) / seconds / 1e9
                 row = {**base_row(dtype_name, N, T, D, pass_name, impl),
                        "ms": f"{ms:.6g}", "gbps": f"{gbps:.4g}", "pct_copy_bw": f"{100 * gbps / copy_gbps:.3g}",
                        "peak_mib": f"{peak / 2**20:.2f}", "samples": samples, "calls_per_sample": per,
