@@ -10,5 +10,6 @@ from . import reference
 from .ops import depth_attention
 from .modules import AttnResResidual, DepthStream
 from . import models
+from .optim import param_groups
 
-__all__ = ["depth_attention", "reference", "DepthStream", "AttnResResidual", "models"]
+__all__ = ["depth_attention", "reference", "DepthStream", "AttnResResidual", "models", "param_groups"]

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
 
     p_demo = commands.add_parser(
         "demo",
-        help="train standard / Full / Block AttnRes GPTs on stdlib source and plot",
+        help="train standard / Full / Block AttnRes GPTs over paired seeds on Python source; "
+        "table, depth profile and plots",
         description=demo.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

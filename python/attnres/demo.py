@@ -1,9 +1,17 @@
 """`python -m attnres demo`: train the example GPT with the standard residual,
-Full AttnRes and Block AttnRes on the same data with the same seed, steps
-and sizes, then print a table and write plots and a JSON summary.
+Full AttnRes and Block AttnRes on the same data, over several paired seeds
+(for each seed every variant starts from the same shared parameters and sees
+the same batches), then print a table (mean +- sd over seeds), measure the
+depth profile (input/output magnitudes and gradients per sublayer) and write
+plots and a JSON summary.
 
 The corpus needs no download: the Python standard library's own source
-files on this machine, read as bytes (a byte-level "character" model).
+files on this machine (with --corpus all, also every site-packages
+directory), read as bytes (a byte-level "character" model).
+
+Presets: "cpu" (the default, a few minutes on 2 cores) and "gpu" (16 layers,
+sized for one large GPU, bf16 autocast, stops starting new runs when its time
+budget would be exceeded). Any option given explicitly overrides the preset.
 """
 from __future__ import annotations
 
@@ -12,68 +20,163 @@ import json
 import math
 import os
 import platform
+import site
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .models import GPT, GPTConfig
+from .optim import param_groups
 
 VARIANTS = ("standard", "full", "block")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_VALIDATION_SEED = 1_000_003  # validation batches are the same for every seed and variant
+
+# Values used where an option is not given. "cpu" fits `make demo` in about
+# 5 minutes on a 2-core machine; "gpu" is sized for about 30 minutes on one
+# H200 (9 runs) and also has a hard budget (max_minutes).
+PRESETS: Dict[str, Dict] = {
+    "cpu": dict(
+        steps=200, d_model=64, layers=8, heads=4, seq_len=128, batch=16, block_size=4,
+        lr=3e-3, attnres_lr_scale=0.1, weight_decay=0.1, seeds=3, amp=False,
+        corpus="stdlib", corpus_bytes=2_000_000, eval_batches=8, profile_batches=2,
+        max_minutes=None, out=Path("demo_out"),
+    ),
+    "gpu": dict(
+        steps=3000, d_model=384, layers=16, heads=6, seq_len=512, batch=32, block_size=8,
+        lr=1.5e-3, attnres_lr_scale=0.1, weight_decay=0.1, seeds=3, amp=True,
+        corpus="all", corpus_bytes=0, eval_batches=32, profile_batches=4,
+        max_minutes=30.0, out=Path("demo_out_gpu"),
+    ),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--steps", type=int, default=300, help="training steps per variant (default: %(default)s)")
-    parser.add_argument("--d-model", type=int, default=128, help="model width D (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks; each has 2 sublayers (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128, help="context length in bytes (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--block-size", type=int, default=4, help="sublayers per block for the 'block' variant (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
+    cpu, gpu = PRESETS["cpu"], PRESETS["gpu"]
+
+    def preset_help(key: str, text: str) -> str:
+        return f"{text} (cpu preset: {cpu[key]}, gpu preset: {gpu[key]})"
+
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu",
+                        help="defaults for every option below that is not given (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help=preset_help("steps", "training steps per run"))
+    parser.add_argument("--d-model", type=int, help=preset_help("d_model", "model width D"))
+    parser.add_argument("--layers", type=int, help=preset_help("layers", "transformer blocks; each has 2 sublayers"))
+    parser.add_argument("--heads", type=int, help=preset_help("heads", "attention heads"))
+    parser.add_argument("--seq-len", type=int, help=preset_help("seq_len", "context length in bytes"))
+    parser.add_argument("--batch", type=int, help=preset_help("batch", "sequences per step"))
+    parser.add_argument("--block-size", type=int, help=preset_help("block_size", "sublayers per block for the 'block' variant"))
+    parser.add_argument("--lr", type=float, help=preset_help("lr", "peak AdamW learning rate"))
+    parser.add_argument("--attnres-lr-scale", type=float,
+                        help=preset_help("attnres_lr_scale", "learning-rate factor of the AttnRes queries and key-norm gains; 0 freezes them"))
+    parser.add_argument("--weight-decay", type=float, help=preset_help("weight_decay", "AdamW weight decay of the weight matrices"))
+    parser.add_argument("--seeds", type=int, help=preset_help("seeds", "seeds per variant (paired: seed s is the same init and batches for every variant)"))
+    parser.add_argument("--seed", type=int, default=0, help="first seed; the runs use seed, seed+1, ... (default: %(default)s)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                        help=preset_help("amp", "bf16 autocast for the sublayers (the residual stream stays fp32)"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default=default_device, help="default: %(default)s")
-    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (default: %(default)s)")
-    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use (default: %(default)s)")
-    parser.add_argument("--eval-batches", type=int, default=16, help="batches for each validation estimate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--out", type=Path, help=preset_help("out", "output folder"))
+    parser.add_argument("--corpus", choices=("stdlib", "all"),
+                        help=preset_help("corpus", "'stdlib': the standard library's .py files; 'all': also every site-packages directory"))
+    parser.add_argument("--corpus-bytes", type=int, help=preset_help("corpus_bytes", "bytes of source to use; 0 for all of it"))
+    parser.add_argument("--eval-batches", type=int, help=preset_help("eval_batches", "batches for each loss estimate"))
+    parser.add_argument("--profile-batches", type=int, help=preset_help("profile_batches", "batches for the depth profile; 0 skips it"))
+    parser.add_argument("--max-minutes", type=float,
+                        help=preset_help("max_minutes", "do not start a run that would end after this many minutes (none: no limit)"))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="default: all three")
+
+
+def resolve_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option left unset from the chosen preset (in place)."""
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def check_arguments(args) -> Optional[str]:
+    """The first problem with ``args`` as a message, or None."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda was asked for but torch sees no CUDA device"
+    sizes = {"--steps": args.steps, "--d-model": args.d_model, "--layers": args.layers,
+             "--heads": args.heads, "--seq-len": args.seq_len, "--batch": args.batch,
+             "--block-size": args.block_size, "--seeds": args.seeds, "--eval-batches": args.eval_batches}
+    for flag, value in sizes.items():
+        if value <= 0:
+            return f"{flag} must be positive, got {value}"
+    if args.profile_batches < 0:
+        return f"--profile-batches must be >= 0, got {args.profile_batches}"
+    if args.corpus_bytes < 0:
+        return f"--corpus-bytes must be >= 0 (0: all), got {args.corpus_bytes}"
+    if args.d_model % args.heads:
+        return f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})"
+    for flag, value in (("--lr", args.lr), ("--attnres-lr-scale", args.attnres_lr_scale),
+                        ("--weight-decay", args.weight_decay)):
+        if not (math.isfinite(value) and value >= 0):
+            return f"{flag} must be a finite number >= 0, got {value}"
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        return f"--max-minutes must be positive, got {args.max_minutes}"
+    if len(set(args.variants)) != len(args.variants):
+        return f"--variants lists a variant twice: {args.variants}"
+    return None
 
 
 # ---- data ---------------------------------------------------------------------
 
 
-def stdlib_corpus(max_bytes: int) -> tuple[bytes, str]:
-    """The first ``max_bytes`` of the stdlib's .py files, in sorted path order."""
-    root = os.path.dirname(os.__file__)
+def corpus_roots(kind: str) -> List[str]:
+    """The folders whose .py files make the corpus: the stdlib, then (for
+    ``kind='all'``) every site-packages folder of this interpreter."""
+    roots = [os.path.dirname(os.__file__)]
+    if kind == "all":
+        for path in [*site.getsitepackages(), site.getusersitepackages()]:
+            if os.path.isdir(path) and os.path.realpath(path) not in map(os.path.realpath, roots):
+                roots.append(path)
+    return roots
+
+
+def source_corpus(roots: List[str], max_bytes: int) -> bytes:
+    """The .py files under ``roots`` (in that order, each in sorted path
+    order, site-packages folders skipped inside the stdlib walk), cut at
+    ``max_bytes`` (0: no limit)."""
     chunks, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                data = fh.read()
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                return b"".join(chunks)[:max_bytes], root
-    return b"".join(chunks), root
+    for index, root in enumerate(roots):
+        for dirpath, dirnames, filenames in os.walk(root):
+            # Inside the stdlib folder, installed packages are not the stdlib.
+            skip = _SKIP_DIRS if index == 0 else {"__pycache__"}
+            dirnames[:] = sorted(d for d in dirnames if d not in skip)
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                try:
+                    with open(os.path.join(dirpath, name), "rb") as fh:
+                        data = fh.read()
+                except OSError:  # a broken link or unreadable file is not worth stopping for
+                    continue
+                chunks.append(data)
+                total += len(data)
+                if max_bytes and total >= max_bytes:
+                    return b"".join(chunks)[:max_bytes]
+    return b"".join(chunks)
 
 
-def split_corpus(data: bytes, val_fraction: float = 0.1):
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+def split_corpus(data: bytes, val_fraction: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bytes as uint8 tensors (1 byte per token even for a 150 MB corpus);
+    the last ``val_fraction`` is the validation split."""
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     n_val = int(len(tokens) * val_fraction)
     return tokens[:-n_val], tokens[-n_val:]
 
 
 def sample_batch(tokens, batch, seq_len, generator, device):
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
-    offsets = torch.arange(seq_len + 1)
-    windows = tokens[starts[:, None] + offsets]
+    windows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
 
@@ -82,167 +185,297 @@ def fixed_batches(tokens, n, batch, seq_len, seed, device):
     return [sample_batch(tokens, batch, seq_len, g, device) for _ in range(n)]
 
 
-# ---- progress ------------------------------------------------------------------------
-
-
-class Progress:
-    """A one-line progress bar on stderr; plain lines when it is not a terminal."""
-
-    def __init__(self, label: str, total: int, width: int = 28):
-        self.label, self.total, self.width = label, total, width
-        self.start = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.last_decile = -1
-
-    def update(self, step: int, info: str) -> None:
-        done = step / self.total
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done - elapsed if done > 0 else float("nan")
-        filled = int(self.width * done)
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"{self.label:>9} |{bar}| {step}/{self.total} {info} {elapsed:4.0f}s eta {eta:4.0f}s"
-        if self.tty:
-            sys.stderr.write("\r" + line)
-            sys.stderr.flush()
-        elif int(done * 10) > self.last_decile:
-            self.last_decile = int(done * 10)
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ---- training -----------------------------------------------------------------------------
 
 
-def make_optimizer(model: GPT, lr: float):
-    # Decay matrices only: norms, biases, AttnRes queries/gains keep their values.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )
-
-
-def lr_at(step: int, total: int, peak: float) -> float:
+def lr_factor(step: int, total: int) -> float:
+    """Linear warm-up over the first 5% of the steps, then cosine to 10%."""
     warmup = max(1, total // 20)
     if step < warmup:
-        return peak * (step + 1) / warmup
+        return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _autocast(args):
+    return torch.autocast(args.device, dtype=torch.bfloat16, enabled=bool(args.amp))
 
 
 @torch.no_grad()
-def mean_loss(model: GPT, batches) -> float:
+def mean_loss(model: GPT, batches, args) -> float:
     model.eval()
-    losses = [model(x, y)[1].item() for x, y in batches]
+    with _autocast(args):
+        losses = [model(x, y)[1].item() for x, y in batches]
     model.train()
     return sum(losses) / len(losses)
 
 
 @torch.no_grad()
-def mean_depth_weights(model: GPT, batches) -> List[List[float]]:
+def mean_depth_weights(model: GPT, batches, args) -> List[List[float]]:
     """Per read (destination), the depth weight of each source averaged over
     every token of ``batches``."""
     model.eval()
     sums: Optional[List[torch.Tensor]] = None
-    for x, y in batches:
-        _, _, weights = model(x, y, return_depth_weights=True)
-        means = [w.flatten(1).mean(1).double().cpu() for w in weights]
-        sums = means if sums is None else [s + m for s, m in zip(sums, means)]
+    with _autocast(args):
+        for x, y in batches:
+            _, _, weights = model(x, y, return_depth_weights=True)
+            means = [w.flatten(1).mean(1).double().cpu() for w in weights]
+            sums = means if sums is None else [s + m for s, m in zip(sums, means)]
     model.train()
     return [(s / len(batches)).tolist() for s in sums]
 
 
-def train_variant(residual: str, args, train_tokens, val_tokens) -> Dict:
-    cfg = GPTConfig(
+def depth_profile(model: GPT, batches, args) -> Dict[str, List[float]]:
+    """Per sublayer (attn_0, mlp_0, ..., in order), over every token of ``batches``:
+
+    * ``input_rms``: RMS of the sublayer's input before its pre-norm (the
+      residual stream x for the standard model, the depth read h for AttnRes);
+    * ``output_rms``: RMS of the sublayer's output f;
+    * ``grad_norm``: the L2 norm over D of d(loss summed over tokens)/d f,
+      averaged over tokens (so it does not depend on the batch size);
+
+    and ``final_input_rms``, the RMS of what enters the final norm.
+    The model's parameters and gradients are left as they were.
+    """
+    n = 2 * model.cfg.n_layers
+    sq_in, sq_out, grad_sum = [0.0] * n, [0.0] * n, [0.0] * n
+    elements, tokens = [0] * n, [0] * n
+    final = {"sq": 0.0, "n": 0}
+    handles = []
+
+    def on_input(j):
+        def hook(_module, inputs):
+            x = inputs[0].detach().double()
+            sq_in[j] += x.square().sum().item()
+            elements[j] += x.numel()
+        return hook
+
+    def on_output(j):
+        def hook(_module, _inputs, out):
+            sq_out[j] += out.detach().double().square().sum().item()
+            tokens[j] += out[..., 0].numel()
+
+            def on_grad(g):
+                grad_sum[j] += g.double().norm(dim=-1).sum().item()
+            out.register_hook(on_grad)
+        return hook
+
+    def on_final(_module, inputs):
+        final["sq"] += inputs[0].detach().double().square().sum().item()
+        final["n"] += inputs[0].numel()
+
+    for i, blk in enumerate(model.blocks):
+        handles += [blk.ln1.register_forward_pre_hook(on_input(2 * i)),
+                    blk.ln2.register_forward_pre_hook(on_input(2 * i + 1)),
+                    blk.attn.register_forward_hook(on_output(2 * i)),
+                    blk.mlp.register_forward_hook(on_output(2 * i + 1))]
+    handles.append(model.ln_f.register_forward_pre_hook(on_final))
+    saved_grads = {p: p.grad for p in model.parameters()}
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y in batches:
+            with _autocast(args):
+                logits, _ = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in saved_grads.items():
+            p.grad = g
+        model.train(was_training)
+    return {
+        "input_rms": [math.sqrt(s / e) for s, e in zip(sq_in, elements)],
+        "output_rms": [math.sqrt(s / e) for s, e in zip(sq_out, elements)],
+        "grad_norm": [g / t for g, t in zip(grad_sum, tokens)],
+        "final_input_rms": math.sqrt(final["sq"] / final["n"]),
+    }
+
+
+def model_config(args, residual: str) -> GPTConfig:
+    return GPTConfig(
         vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
         n_heads=args.heads, residual=residual, block_size=args.block_size,
     )
-    # Same seed for every variant: shared parameters start identical (the AttnRes
-    # parameters draw no random numbers) and the batches are the same.
-    torch.manual_seed(args.seed)
+
+
+def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_eval_batches) -> Dict:
+    """Train one variant from seed ``seed``; returns its losses, curves,
+    speed, depth profile (at init and trained) and, for AttnRes, depth weights."""
+    from tqdm.auto import tqdm
+
+    cfg = model_config(args, residual)
+    # The same seed gives every variant identical shared parameters (the
+    # AttnRes parameters draw no random numbers) and identical batches.
+    torch.manual_seed(seed)
     model = GPT(cfg).to(args.device)
-    optimizer = make_optimizer(model, args.lr)
-    data_gen = torch.Generator().manual_seed(args.seed)
-    val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch, args.seq_len, args.seed + 1, args.device)
-    train_eval_batches = fixed_batches(train_tokens, args.eval_batches, args.batch, args.seq_len, args.seed + 2, args.device)
+    profile_batches = val_batches[: args.profile_batches]
+    profile_init = depth_profile(model, profile_batches, args) if profile_batches else None
+    optimizer = torch.optim.AdamW(
+        param_groups(model, lr=args.lr, weight_decay=args.weight_decay,
+                     attnres_lr_scale=args.attnres_lr_scale),
+        betas=(0.9, 0.95), fused=args.device == "cuda",
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.steps))
+    data_gen = torch.Generator().manual_seed(seed)
     eval_every = max(1, args.steps // 10)
 
+    label = f"{residual} s{seed}"
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=args.steps, desc=f"{label:>12}", disable=not tty, leave=False,
+               dynamic_ncols=True, file=sys.stderr)
     train_curve, val_curve = [], []
-    progress = Progress(residual, args.steps)
-    train_seconds, tokens_seen = 0.0, 0
+    train_seconds, tokens_seen, started = 0.0, 0, time.perf_counter()
     for step in range(args.steps):
         x, y = sample_batch(train_tokens, args.batch, args.seq_len, data_gen, args.device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
         t0 = time.perf_counter()
-        _, loss = model(x, y)
+        with _autocast(args):
+            _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         loss_value = loss.item()  # also waits for the device, so the timing is honest
         if step > 0 or args.steps == 1:  # the first step pays one-off set-up costs
             train_seconds += time.perf_counter() - t0
             tokens_seen += x.numel()
+        if not math.isfinite(loss_value):
+            bar.close()
+            raise FloatingPointError(f"{label}: training loss is {loss_value} at step {step + 1}")
         train_curve.append(loss_value)
+        speed = tokens_seen / train_seconds if train_seconds else float("nan")
         if (step + 1) % eval_every == 0 or step + 1 == args.steps:
-            val_curve.append((step + 1, mean_loss(model, val_batches)))
-        speed = f"{tokens_seen / train_seconds:6.0f} tok/s" if train_seconds else ""
-        progress.update(step + 1, f"loss {loss_value:.3f} {speed}")
-    progress.close()
+            val_curve.append((step + 1, mean_loss(model, val_batches, args)))
+            if not tty:  # a log line instead of a bar (unattended runs, CI)
+                print(f"{label:>12} step {step + 1:>5}/{args.steps} train {loss_value:.3f} "
+                      f"val {val_curve[-1][1]:.3f} {speed:7.0f} tok/s "
+                      f"{time.perf_counter() - started:5.0f} s", file=sys.stderr, flush=True)
+        bar.set_postfix_str(f"loss {loss_value:.3f} {speed:6.0f} tok/s", refresh=False)
+        bar.update(1)
+    bar.close()
 
     result = {
         "variant": residual,
+        "seed": seed,
         "parameters": model.num_parameters(),
         "tokens_per_s": tokens_seen / train_seconds,
         "train_seconds": train_seconds,
-        "final_train_loss": mean_loss(model, train_eval_batches),
+        "final_train_loss": mean_loss(model, train_eval_batches, args),
         "val_loss": val_curve[-1][1],
         "train_curve": train_curve,
         "val_curve": val_curve,
     }
+    if profile_batches:
+        result["depth_profile"] = {"init": profile_init,
+                                   "trained": depth_profile(model, profile_batches, args)}
     if residual != "standard":
         result["block_size"] = cfg.stream_block_size
         result["read_names"] = model.read_names()
         result["source_names"] = model.source_names()
-        result["depth_weights"] = mean_depth_weights(model, val_batches)
+        result["depth_weights"] = mean_depth_weights(model, val_batches, args)
+    print(f"{label:>12}: val {result['val_loss']:.4f} train {result['final_train_loss']:.4f} "
+          f"({time.perf_counter() - started:.0f} s, {result['tokens_per_s']:.0f} tok/s)",
+          file=sys.stderr, flush=True)
     return result
 
 
-# ---- output ------------------------------------------------------------------------------------
+# ---- aggregation ---------------------------------------------------------------------------
 
 
-def format_table(results: List[Dict]) -> str:
-    header = f"{'variant':<10} {'parameters':>10} {'tokens/s':>9} {'train loss':>10} {'val loss':>9}"
+def mean_sd(values: List[float]) -> Tuple[float, Optional[float]]:
+    """Mean and sample standard deviation (None for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _mean_lists(lists: List[List[float]]) -> List[float]:
+    return [statistics.fmean(column) for column in zip(*lists)]
+
+
+def aggregate(runs: List[Dict], variants: List[str]) -> List[Dict]:
+    """Per variant, over the seeds it completed: mean and sd of the losses,
+    and of the paired difference to the standard model (same seeds)."""
+    standard_val = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "standard"}
+    rows = []
+    for variant in variants:
+        mine = [r for r in runs if r["variant"] == variant]
+        if not mine:
+            continue
+        row = {
+            "variant": variant,
+            "seeds": [r["seed"] for r in mine],
+            "parameters": mine[0]["parameters"],
+            "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
+            "train_loss": mean_sd([r["final_train_loss"] for r in mine]),
+            "val_loss": mean_sd([r["val_loss"] for r in mine]),
+        }
+        paired = [(r["val_loss"] - standard_val[r["seed"]]) for r in mine if r["seed"] in standard_val]
+        if variant != "standard" and paired:
+            row["val_minus_standard"] = mean_sd(paired)
+            row["lower_than_standard"] = f"{sum(d < 0 for d in paired)}/{len(paired)}"
+        if all("depth_profile" in r for r in mine):
+            row["depth_profile"] = {
+                when: {key: (_mean_lists([r["depth_profile"][when][key] for r in mine])
+                             if isinstance(mine[0]["depth_profile"][when][key], list)
+                             else statistics.fmean(r["depth_profile"][when][key] for r in mine))
+                       for key in mine[0]["depth_profile"][when]}
+                for when in ("init", "trained")
+            }
+        if "depth_weights" in mine[0]:
+            row["depth_weights"] = [_mean_lists([r["depth_weights"][i] for r in mine])
+                                    for i in range(len(mine[0]["depth_weights"]))]
+            for key in ("block_size", "read_names", "source_names"):
+                row[key] = mine[0][key]
+        rows.append(row)
+    return rows
+
+
+def _pm(value: Tuple[float, Optional[float]], digits: int = 4, sign: bool = False) -> str:
+    mean, sd = value
+    text = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
+    return text if sd is None else f"{text} ± {sd:.{digits}f}"
+
+
+def format_table(rows: List[Dict]) -> str:
+    header = (f"{'variant':<9} {'seeds':>5} {'parameters':>10} {'tokens/s':>8}  {'train loss':<16} "
+              f"{'val loss':<16} {'val - standard':<17} {'lower':>5}")
     lines = [header, "-" * len(header)]
-    for r in results:
+    for r in rows:
+        diff = _pm(r["val_minus_standard"], sign=True) if "val_minus_standard" in r else ""
         lines.append(
-            f"{r['variant']:<10} {r['parameters']:>10,} {r['tokens_per_s']:>9.0f} "
-            f"{r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f}"
+            f"{r['variant']:<9} {len(r['seeds']):>5} {r['parameters']:>10,} {r['tokens_per_s']:>8.0f}  "
+            f"{_pm(r['train_loss']):<16} {_pm(r['val_loss']):<16} {diff:<17} "
+            f"{r.get('lower_than_standard', ''):>5}"
         )
     return "\n".join(lines)
 
 
-def plot_loss_curves(results: List[Dict], path: Path) -> None:
+# ---- plots ------------------------------------------------------------------------------------
+
+
+def plot_loss_curves(runs: List[Dict], rows: List[Dict], path: Path) -> None:
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        curve = torch.tensor(r["train_curve"])
+    for row in rows:
+        mine = [r for r in runs if r["variant"] == row["variant"]]
+        curve = torch.tensor(_mean_lists([r["train_curve"] for r in mine]))
         window = max(1, len(curve) // 25)
         smooth = curve.unfold(0, window, 1).mean(1) if window > 1 else curve
         steps = torch.arange(window, len(curve) + 1)
-        (line,) = ax.plot(steps, smooth, label=f"{r['variant']} train (mean of {window})", alpha=0.8)
-        vs, vl = zip(*r["val_curve"])
-        ax.plot(vs, vl, "o--", color=line.get_color(), label=f"{r['variant']} val")
+        (line,) = ax.plot(steps, smooth, alpha=0.8,
+                          label=f"{row['variant']} train (mean of {window} steps, {len(mine)} seeds)")
+        vs = [s for s, _ in mine[0]["val_curve"]]
+        vl = np.array([[v for _, v in r["val_curve"]] for r in mine])
+        ax.plot(vs, vl.mean(0), "o--", color=line.get_color(), label=f"{row['variant']} val (mean)")
+        if len(mine) > 1:
+            sd = vl.std(0, ddof=1)
+            ax.fill_between(vs, vl.mean(0) - sd, vl.mean(0) + sd, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title("Training on Python stdlib source (byte level)")
+    ax.set_title("Training on Python source (byte level); band: ± 1 sd over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -250,37 +483,76 @@ def plot_loss_curves(results: List[Dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_depth_weights(result: Dict, path: Path) -> None:
+def plot_depth_weights(row: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    reads, sources = result["read_names"], result["source_names"]
+    reads, sources = row["read_names"], row["source_names"]
     grid = np.full((len(reads), len(sources)), np.nan)
-    for i, row in enumerate(result["depth_weights"]):
-        grid[i, : len(row)] = row  # source k is always slot k; later slots unseen yet
+    for i, weights in enumerate(row["depth_weights"]):
+        grid[i, : len(weights)] = weights  # source k is always slot k; later slots unseen yet
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 0.75 * len(sources)), 1.6 + 0.42 * len(reads)))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if grid[i, j] < 0.6 else "black")
-    if result["block_size"] is None:
+    if len(sources) <= 40:
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if grid[i, j] < 0.6 else "black")
+    if row["block_size"] is None:
         ax.set_xticks(range(len(sources)), sources, rotation=45, ha="right")
     else:  # two-line block labels read better upright
         ax.set_xticks(range(len(sources)), sources, fontsize=8)
     ax.set_yticks(range(len(reads)), reads)
     ax.set_xlabel("source")
     ax.set_ylabel("reading sublayer (destination)")
-    mode = "Full AttnRes" if result["block_size"] is None else f"Block AttnRes, S = {result['block_size']}"
-    note = "grey: not yet a source" if result["block_size"] is None else "a block is a partial sum while it runs; grey: not yet a source"
-    ax.set_title(f"Mean depth-attention weight on validation data, {mode}\n({note})", fontsize=9)
+    mode = "Full AttnRes" if row["block_size"] is None else f"Block AttnRes, S = {row['block_size']}"
+    note = "grey: not yet a source" if row["block_size"] is None else "a block is a partial sum while it runs; grey: not yet a source"
+    ax.set_title(f"Mean depth-attention weight on validation data, {mode}, mean of {len(row['seeds'])} seeds\n({note})",
+                 fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="weight")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_depth_profile(rows: List[Dict], sublayer_names: List[str], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("input_rms", "RMS of the sublayer input (before its norm)"),
+        ("output_rms", "RMS of the sublayer output"),
+        ("share", "output RMS / input RMS (the sublayer's share)"),
+        ("grad_norm", "|d loss / d output| per token"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    x = range(len(sublayer_names))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for row in rows:
+            for when, style in (("trained", dict(ls="-", marker="o", ms=3)), ("init", dict(ls=":", lw=1))):
+                prof = row["depth_profile"][when]
+                ys = ([o / i for o, i in zip(prof["output_rms"], prof["input_rms"])]
+                      if key == "share" else prof[key])
+                color = {"standard": "C0", "full": "C1", "block": "C2"}[row["variant"]]
+                ax.plot(x, ys, color=color, label=f"{row['variant']} ({when})", **style)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    for ax in axes[1]:
+        step = max(1, len(sublayer_names) // 12)
+        ax.set_xticks(list(x)[::step], sublayer_names[::step], rotation=45, ha="right", fontsize=8)
+        ax.set_xlabel("sublayer")
+    axes[0, 0].legend(fontsize=7, ncol=2)
+    seeds = len(rows[0]["seeds"])
+    fig.suptitle(f"Depth profile on validation data (mean of {seeds} seeds): solid trained, dotted at init",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- main ------------------------------------------------------------------------------------
 
 
 def _load_average() -> Optional[float]:
@@ -301,71 +573,119 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _write_summary(path: Path, args, corpus: Dict, machine: Dict, runs, rows, table, wall, complete, note):
+    summary = {
+        "complete": complete,
+        "note": note,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "corpus": corpus,
+        "machine": machine,
+        "wall_seconds": wall,
+        "table": table,
+        "variants": rows,
+        "runs": runs,
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(path)  # a reader never sees half a file
+
+
 def run(args) -> int:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda was asked for but torch sees no CUDA device", file=sys.stderr)
+    resolve_preset(args)
+    problem = check_arguments(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    if min(args.steps, args.d_model, args.layers, args.heads, args.seq_len, args.batch, args.block_size) <= 0:
-        print("steps, sizes and --block-size must be positive", file=sys.stderr)
-        return 2
-    if args.d_model % args.heads:
-        print(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})", file=sys.stderr)
-        return 2
+    if args.preset == "gpu" and args.device == "cpu":
+        print("warning: the gpu preset's sizes on the CPU take many hours per run; "
+              "pass smaller sizes (--steps, --d-model, --layers, ...) to run it here",
+              file=sys.stderr, flush=True)
     import matplotlib
 
     matplotlib.use("Agg")
 
-    data, root = stdlib_corpus(args.corpus_bytes)
+    roots = corpus_roots(args.corpus)
+    data = source_corpus(roots, args.corpus_bytes)
     train_tokens, val_tokens = split_corpus(data)
+    if len(val_tokens) <= args.seq_len + 1:
+        print(f"the corpus ({len(data):,} bytes) is too small for --seq-len {args.seq_len}", file=sys.stderr)
+        return 2
+    device_name = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name()
+    seeds = list(range(args.seed, args.seed + args.seeds))
     print(
-        f"corpus: {len(data):,} bytes of .py files under {root} "
+        f"corpus: {len(data):,} bytes of .py files under {', '.join(roots)} "
         f"({len(train_tokens):,} train / {len(val_tokens):,} val)\n"
         f"model: d_model={args.d_model} layers={args.layers} ({2 * args.layers} sublayers) "
         f"heads={args.heads} seq_len={args.seq_len} batch={args.batch} steps={args.steps} "
-        f"block_size={args.block_size} device={args.device} ({cpu_name() if args.device == 'cpu' else torch.cuda.get_device_name()}, "
-        f"{torch.get_num_threads()} threads)",
+        f"block_size={args.block_size} lr={args.lr} attnres_lr_scale={args.attnres_lr_scale} "
+        f"amp={args.amp} seeds={seeds} preset={args.preset}\n"
+        f"device={args.device} ({device_name}, {torch.get_num_threads()} threads)",
         flush=True,
     )
-    load_before = _load_average()
-    started = time.perf_counter()
-    results = [train_variant(v, args, train_tokens, val_tokens) for v in args.variants]
-    wall = time.perf_counter() - started
-    load_after = _load_average()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    corpus = {"roots": roots, "bytes": len(data), "train": len(train_tokens), "val": len(val_tokens)}
+    machine = {
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1min_before": _load_average(),
+        "torch": torch.__version__,
+        "cuda_device": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
+    val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch, args.seq_len, _VALIDATION_SEED, args.device)
+    train_eval_batches = fixed_batches(train_tokens, args.eval_batches, args.batch, args.seq_len,
+                                       _VALIDATION_SEED + 1, args.device)
 
-    table = format_table(results)
+    started = time.perf_counter()
+    runs: List[Dict] = []
+    note = None
+    # Seed-major order: a run cut short by --max-minutes leaves complete pairs.
+    plan = [(seed, variant) for seed in seeds for variant in args.variants]
+    for index, (seed, variant) in enumerate(plan):
+        elapsed = time.perf_counter() - started
+        if args.max_minutes is not None and index:
+            projected = elapsed + elapsed / index
+            if projected > 60 * args.max_minutes:
+                note = (f"stopped after {index} of {len(plan)} runs: the next would end at about "
+                        f"{projected / 60:.0f} min, past --max-minutes {args.max_minutes:g}")
+                print(note, file=sys.stderr, flush=True)
+                break
+        runs.append(train_run(variant, seed, args, train_tokens, val_batches, train_eval_batches))
+        if index == 0 and len(plan) > 1:
+            per_run = time.perf_counter() - started
+            print(f"first run took {per_run:.0f} s; all {len(plan)} runs: about "
+                  f"{per_run * len(plan) / 60:.1f} min", file=sys.stderr, flush=True)
+        rows = aggregate(runs, args.variants)
+        _write_summary(summary_path, args, corpus, machine, runs, rows, format_table(rows),
+                       time.perf_counter() - started, complete=False, note="in progress")
+    wall = time.perf_counter() - started
+    machine["load_average_1min_after"] = load_after = _load_average()
+
+    rows = aggregate(runs, args.variants)
+    table = format_table(rows)
     print()
     print(table)
-    print(f"\nwall time: {wall:.0f} s")
+    print(f"\n(mean ± sd over seeds; 'val - standard' is the paired difference, same seed; "
+          f"'lower': seeds where the variant's val loss is below the standard model's)")
+    print(f"wall time: {wall:.0f} s")
     if load_after is not None and load_after > os.cpu_count():
         # tokens/s from a shared, busy machine are not comparable with other runs
         print(f"note: 1-minute load average {load_after:.1f} on {os.cpu_count()} CPUs: "
               "other work competed for the CPU, tokens/s are low and noisy")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     written = [args.out / "loss_curves.png"]
-    plot_loss_curves(results, written[0])
-    for r in results:
-        if r["variant"] != "standard":
-            written.append(args.out / f"depth_weights_{r['variant']}.png")
-            plot_depth_weights(r, written[-1])
-    summary = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-        "corpus": {"root": root, "bytes": len(data), "train": len(train_tokens), "val": len(val_tokens)},
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1min_before": load_before,
-            "load_average_1min_after": load_after,
-            "torch": torch.__version__,
-            "cuda_device": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        },
-        "wall_seconds": wall,
-        "table": table,
-        "results": results,
-    }
-    written.append(args.out / "summary.json")
-    written[-1].write_text(json.dumps(summary, indent=1))
+    plot_loss_curves(runs, rows, written[0])
+    for row in rows:
+        if row["variant"] != "standard":
+            written.append(args.out / f"depth_weights_{row['variant']}.png")
+            plot_depth_weights(row, written[-1])
+    if rows and all("depth_profile" in row for row in rows):
+        written.append(args.out / "depth_profile.png")
+        names = [f"L{i}.{kind}" for i in range(args.layers) for kind in ("attn", "mlp")]
+        plot_depth_profile(rows, names, written[-1])
+    _write_summary(summary_path, args, corpus, machine, runs, rows, table, wall, complete=note is None, note=note)
+    written.append(summary_path)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

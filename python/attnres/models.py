@@ -1,6 +1,8 @@
 """A small PreNorm GPT with a switchable residual: the plain sum ("standard"),
 Full AttnRes ("full") or Block AttnRes ("block"). Everything else is the
-same in all three, so they can be compared like for like.
+same in all three, so they can be compared like for like; at zero queries
+(as initialised) the AttnRes models compute the standard model's function
+(see GPTConfig.prenorm_eps).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class GPTConfig:
     residual: str = "standard"
     block_size: int = 2  # sublayers per block; used by residual="block" only
     eps: float = 1e-6  # AttnRes key-norm eps
+    # LayerNorm eps, relative to the standard residual sum (see prenorm_eps).
+    norm_eps: float = 1e-5
     # Recompute each transformer block in backward (torch.utils.checkpoint).
     checkpoint_blocks: bool = False
 
@@ -39,10 +43,41 @@ class GPTConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
+        if not (0.0 <= self.norm_eps < float("inf")):
+            raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if self.residual == "block" and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0
+        ):
+            raise ValueError(
+                f"block_size must be a positive int for residual='block', got {self.block_size!r}"
+            )
 
     @property
     def stream_block_size(self) -> Optional[int]:
         return self.block_size if self.residual == "block" else None
+
+    def sources_read_by(self, sublayer: int) -> int:
+        """How many sources the read in front of sublayer ``sublayer`` sees
+        (``2 * n_layers`` is the final read); 1 for the standard residual."""
+        if self.residual == "standard":
+            return 1
+        if self.residual == "full":
+            return 1 + sublayer
+        return 1 + -(-sublayer // self.block_size)  # embedding, block sums, partial sum
+
+    def prenorm_eps(self, sublayer: int) -> float:
+        """The LayerNorm eps in front of sublayer ``sublayer`` (``2 * n_layers``:
+        the final norm).
+
+        With zero queries a read is the mean of its N sources, and those sum
+        to the standard residual stream x (Full: every output; Block: the block
+        sums partition them), so the read is x / N. LayerNorm(x / N, eps / N^2)
+        equals LayerNorm(x, eps) exactly, so at zero queries Full and Block
+        compute the standard model's function. With one eps for all norms, an
+        eps of 1e-5 against a read of variance ~5e-6 (0.02-std embeddings
+        averaged over 13 sources) would shrink the deep reads instead.
+        """
+        return self.norm_eps / self.sources_read_by(sublayer) ** 2
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,11 +110,11 @@ class TransformerBlock(nn.Module):
     """Two sublayers (attention, MLP), each with its own pre-norm and, for
     AttnRes, its own depth read in front of that pre-norm."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, index: int = 0):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * index))
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * index + 1))
         self.mlp = MLP(cfg)
         self.uses_attnres = cfg.residual != "standard"
         if self.uses_attnres:
@@ -119,10 +154,10 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         if cfg.residual != "standard":
             self.final_res = AttnResResidual(cfg.d_model, eps=cfg.eps)
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * cfg.n_layers))
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self._init_weights()
