@@ -450,9 +450,44 @@ constexpr int64_t kMinChunkTokens = 32;
 constexpr int64_t kPartialRowsBytes = 8 << 20;
 constexpr int64_t kMinChunks = 64;
 
-int64_t parameter_grad_chunks(int64_t T, int64_t D, int64_t acc_size) {
+struct TokenChunks {
+  int64_t size;   // tokens per chunk
+  int64_t count;  // chunks, one partial row of z each
+};
+
+TokenChunks parameter_grad_chunks(int64_t T, int64_t D, int64_t acc_size) {
   const int64_t most = std::max(kMinChunks, kPartialRowsBytes / (D * acc_size));
-  return std::clamp<int64_t>((T + kMinChunkTokens - 1) / kMinChunkTokens, 1, most);
+  const int64_t max_chunks =
+      std::clamp<int64_t>((T + kMinChunkTokens - 1) / kMinChunkTokens, 1, most);
+  const int64_t size = (T + max_chunks - 1) / max_chunks;
+  return {size, (T + size - 1) / size};
+}
+
+// Second pass of the parameter gradient: the chunks' partial rows summed in
+// a fixed order into z.
+template <typename acc_t>
+void sum_chunk_partials(const std::vector<acc_t>& partial, int64_t n_chunks,
+                        int64_t D, acc_t* z) {
+  at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
+    for (int64_t d = d0; d < d1; ++d) {
+      acc_t sum = 0;
+      for (int64_t c = 0; c < n_chunks; ++c) sum += partial[c * D + d];
+      z[d] = sum;
+    }
+  });
+}
+
+// The source-gradient rows each backward writes: null where the gradient
+// is not wanted.
+template <typename scalar_t>
+std::vector<scalar_t*> wanted_grad_rows(const BackwardCall& call, int64_t N) {
+  std::vector<scalar_t*> dv_p(N, nullptr);
+  for (int64_t i = 0; i < N; ++i) {
+    if (call.grad_sources[i].defined()) {
+      dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
+    }
+  }
+  return dv_p;
 }
 
 // The backward of one token in math::WideType (double for fp32
@@ -533,18 +568,12 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
   Rows h_rows = as_rows(call.out);
   const scalar_t* h_p = h_rows.tensor.const_data_ptr<scalar_t>();
-  std::vector<scalar_t*> dv_p(N, nullptr);  // null: gradient not wanted
-  for (int64_t i = 0; i < N; ++i) {
-    if (call.grad_sources[i].defined()) {
-      dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
-    }
-  }
+  const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
   const bool want_z = call.z.defined();
   const bool stream = stream_grads(dv_p, T, D);
 
-  const int64_t max_chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
-  const int64_t chunk = (T + max_chunks - 1) / max_chunks;
-  const int64_t n_chunks = (T + chunk - 1) / chunk;
+  const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
+  const int64_t chunk = chunks.size, n_chunks = chunks.count;
   const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
@@ -665,17 +694,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
     }
     if (stream) store_fence();
   });
-  if (!want_z) return;
-
-  // Second pass of the parameter gradient: chunks summed in a fixed order.
-  acc_t* z = call.z.data_ptr<acc_t>();
-  at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
-    for (int64_t d = d0; d < d1; ++d) {
-      acc_t sum = 0;
-      for (int64_t c = 0; c < n_chunks; ++c) sum += partial[c * D + d];
-      z[d] = sum;
-    }
-  });
+  if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
 }
 
 // The two-pass backward, kept for bfloat16/float16 sources: their h is
@@ -698,18 +717,12 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
                           : nullptr;
   Rows dh_rows = as_rows(call.grad_out);
   const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
-  std::vector<scalar_t*> dv_p(N, nullptr);  // null: gradient not wanted
-  for (int64_t i = 0; i < N; ++i) {
-    if (call.grad_sources[i].defined()) {
-      dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
-    }
-  }
+  const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
   const bool want_z = call.z.defined();
   const bool stream = stream_grads(dv_p, T, D);
 
-  const int64_t max_chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
-  const int64_t chunk = (T + max_chunks - 1) / max_chunks;
-  const int64_t n_chunks = (T + chunk - 1) / chunk;
+  const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
+  const int64_t chunk = chunks.size, n_chunks = chunks.count;
   const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
@@ -787,17 +800,7 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
     }
     if (stream) store_fence();
   });
-  if (!want_z) return;
-
-  // Second pass of the parameter gradient: chunks summed in a fixed order.
-  acc_t* z = call.z.data_ptr<acc_t>();
-  at::parallel_for(0, D, 1024, [&](int64_t d0, int64_t d1) {
-    for (int64_t d = d0; d < d1; ++d) {
-      acc_t sum = 0;
-      for (int64_t c = 0; c < n_chunks; ++c) sum += partial[c * D + d];
-      z[d] = sum;
-    }
-  });
+  if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
 }
 
 }  // namespace
