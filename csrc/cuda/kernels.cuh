@@ -196,6 +196,17 @@ __device__ __forceinline__ void load_rows(const SourceTable& table,
   }
 }
 
+// The within-warp part of a group reduction: butterfly shuffles over
+// min(G, 32) lanes (group_allreduce and group_allreduce_wide).
+template <typename T, int NV>
+__device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
+  const int width = G < 32 ? G : 32;
+  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+  }
+}
+
 // Sums NV values over the G threads of a group; every thread of the group
 // gets bitwise the same sums (xor butterflies add commutative pairs, the
 // cross-warp step adds the warps' partials in a fixed order). Block mode
@@ -204,13 +215,7 @@ __device__ __forceinline__ void load_rows(const SourceTable& table,
 template <int NV, typename acc_t>
 __device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
                                                 acc_t* red, int& parity) {
-  const int width = G < 32 ? G : 32;
-  for (int offset = width >> 1; offset > 0; offset >>= 1) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
-    }
-  }
+  warp_allreduce(v, G);
   if (G > 32) {
     acc_t* buf = red + parity * (kMaxWarps * kMaxReduce);
     const int warp = threadIdx.x >> 5;
@@ -242,11 +247,7 @@ __device__ __forceinline__ void group_allreduce_wide(double (&v)[NV], int G, voi
   static_assert(NV * kMaxWarps * sizeof(double) <=
                     2 * kMaxWarps * kMaxReduce * sizeof(float),
                 "reduction buffer too small for the wide reduction");
-  const int width = G < 32 ? G : 32;
-  for (int offset = width >> 1; offset > 0; offset >>= 1) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
-  }
+  warp_allreduce(v, G);
   if (G > 32) {
     double* buf = static_cast<double*>(red);
     __syncthreads();  // earlier readers of red are done
