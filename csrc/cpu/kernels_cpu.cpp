@@ -137,35 +137,81 @@ acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {
   return hsum((c[0] + c[1]) + (c[2] + c[3]));
 }
 
+// What a row sweep of row_two_dots does besides its dot products: nothing,
+// or one step of the forward's online weighted sum for *another* row of
+// the same length (the previous token's row of the same source), so the
+// L1-bound update of an accumulator runs interleaved with the memory-bound
+// loads of the next row instead of in a loop of its own.
+enum class Companion { kNone, kInit, kAccumulate };
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+struct AccumulateStep {
+  acc_t* acc = nullptr;         // the other row's accumulator
+  const scalar_t* v = nullptr;  // the other row
+  acc_t keep = 0, take = 0;     // kAccumulate: acc = acc*keep + take*v; kInit: acc = v
+};
+
 // Two dot products of one row in one sweep: <x, v> (or, with kSquares, the
-// sum of squares <v, v>; x is then unused) and <y, v>.
-template <bool kSquares, typename scalar_t,
+// sum of squares <v, v>; x is then unused) and <y, v>; plus the companion
+// step (the dot products' bits do not depend on it).
+template <bool kSquares, Companion kCompanion = Companion::kNone, typename scalar_t,
           typename acc_t = at::opmath_type<scalar_t>>
 void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
-                  acc_t& dot_x, acc_t& dot_y) {
+                  acc_t& dot_x, acc_t& dot_y,
+                  const AccumulateStep<scalar_t, acc_t>& other = {}) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
+  const AVec keep(other.keep), take(other.take);
   AVec dx[kChains], dy[kChains];
   for (int c = 0; c < kChains; ++c) dx[c] = dy[c] = AVec(acc_t(0));
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    // kParts (1 or 2) vectors a step; alternate chains between steps.
-    const int base = static_cast<int>((j / L::kStep) % (kChains / L::kParts)) * L::kParts;
-    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
+  // One step: kParts (1 or 2) vectors into chains first .. first+kParts-1.
+  // The chain index must be a compile-time constant after unrolling: an
+  // index computed from j keeps the chains in memory (a store and a reload
+  // per FMA).
+  auto step = [&](int64_t jj, int first) {
     AVec vv[L::kParts];
-    L::load(v + j, vv);
+    L::load(v + jj, vv);
     for (int k = 0; k < L::kParts; ++k) {
-      const int64_t o = j + k * AVec::size();
+      const int64_t o = jj + k * AVec::size();
       const AVec xv = kSquares ? vv[k] : AVec::loadu(x + o);
-      dx[base + k] = at::vec::fmadd(xv, vv[k], dx[base + k]);
-      dy[base + k] = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy[base + k]);
+      dx[first + k] = at::vec::fmadd(xv, vv[k], dx[first + k]);
+      dy[first + k] = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy[first + k]);
     }
+    if constexpr (kCompanion != Companion::kNone) {
+      AVec ov[L::kParts];
+      L::load(other.v + jj, ov);
+      for (int k = 0; k < L::kParts; ++k) {
+        acc_t* a = other.acc + jj + k * AVec::size();
+        if constexpr (kCompanion == Companion::kInit) {
+          ov[k].store(a);
+        } else {
+          math::online_accumulate(AVec::loadu(a), keep, take, ov[k]).store(a);
+        }
+      }
+    }
+  };
+  constexpr int kStepsPerRound = kChains / L::kParts;
+  int64_t j = 0;
+  constexpr int kRoundBytes = kStepsPerRound * L::kStep * sizeof(scalar_t);
+  for (; j + kStepsPerRound * L::kStep <= D; j += kStepsPerRound * L::kStep) {
+    for (int b = 0; b < kRoundBytes; b += 64) {  // one prefetch per line
+      __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes + b, 0, 3);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kStepsPerRound; ++r) step(j + r * L::kStep, r * L::kParts);
   }
+  for (; j + L::kStep <= D; j += L::kStep) step(j, 0);
   acc_t a = hsum_chains(dx), b = hsum_chains(dy);
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
     a += (kSquares ? vj : x[j]) * vj;
     b += y[j] * vj;
+    if constexpr (kCompanion == Companion::kInit) {
+      other.acc[j] = static_cast<acc_t>(other.v[j]);
+    } else if constexpr (kCompanion == Companion::kAccumulate) {
+      other.acc[j] = math::online_accumulate(other.acc[j], other.keep, other.take,
+                                             static_cast<acc_t>(other.v[j]));
+    }
   }
   dot_x = a;
   dot_y = b;
@@ -188,11 +234,12 @@ void row_scaled_sums(const scalar_t* v, const acc_t* u, acc_t c, int64_t D,
 }
 
 // rstd and score of one row: the plain sums, rescued when out of range.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+template <Companion kCompanion = Companion::kNone, typename scalar_t,
+          typename acc_t = at::opmath_type<scalar_t>>
 void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
-               acc_t& r, acc_t& s) {
+               acc_t& r, acc_t& s, const AccumulateStep<scalar_t, acc_t>& other = {}) {
   acc_t sumsq, dot_uv;
-  row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv);
+  row_two_dots</*kSquares=*/true, kCompanion>(v, u, u, D, sumsq, dot_uv, other);
   if (!math::row_needs_rescale(sumsq, dot_uv, eps)) {
     r = math::rstd_from_sumsq(sumsq, D, eps);
     s = math::score(r, dot_uv);
@@ -412,22 +459,34 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t n_tok = std::min(tile, end - t0);
       for (int64_t i = 0; i < N; ++i) {
+        // Token k's step of the weighted sum is done in the sweep of token
+        // k+1's row (row_two_dots' companion), the last one on its own.
+        AccumulateStep<scalar_t, acc_t> pending;
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
           const scalar_t* v = src.row(i, t);
-          acc_t* acc_k = acc.data() + k * D;
           acc_t r, sc;
-          row_stats(v, u, D, eps, r, sc);
+          if (k == 0) {
+            row_stats(v, u, D, eps, r, sc);
+          } else if (i == 0) {
+            row_stats<Companion::kInit>(v, u, D, eps, r, sc, pending);
+          } else {
+            row_stats<Companion::kAccumulate>(v, u, D, eps, r, sc, pending);
+          }
           rstd_p[i * T + t] = r;
           scores[i * tile + k] = sc;
+          pending.acc = acc.data() + k * D;
+          pending.v = v;
           if (i == 0) {
-            sm[k].init(sc);
-            row_load(acc_k, v, D);  // a copy: stale NaNs must not leak in
+            sm[k].init(sc);  // acc starts as a copy of v: stale NaNs must not leak in
           } else {
-            acc_t keep, take;
-            sm[k].push(sc, keep, take);
-            row_accumulate(acc_k, keep, take, v, D);
+            sm[k].push(sc, pending.keep, pending.take);
           }
+        }
+        if (i == 0) {
+          row_load(pending.acc, pending.v, D);
+        } else {
+          row_accumulate(pending.acc, pending.keep, pending.take, pending.v, D);
         }
       }
       for (int64_t k = 0; k < n_tok; ++k) {
