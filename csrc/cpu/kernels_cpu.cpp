@@ -137,31 +137,116 @@ acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {
   return hsum((c[0] + c[1]) + (c[2] + c[3]));
 }
 
-// What a row sweep of row_two_dots does besides its dot products: nothing,
-// or one step of the forward's online weighted sum for *another* row of
-// the same length (the previous token's row of the same source), so the
-// L1-bound update of an accumulator runs interleaved with the memory-bound
-// loads of the next row instead of in a loop of its own.
-enum class Companion { kNone, kInit, kAccumulate };
-
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-struct AccumulateStep {
-  acc_t* acc = nullptr;         // the other row's accumulator
-  const scalar_t* v = nullptr;  // the other row
-  acc_t keep = 0, take = 0;     // kAccumulate: acc = acc*keep + take*v; kInit: acc = v
+// Row steps: elementwise work on one row, as a functor with step(jj) (the
+// kStep elements from jj, vectorized) and tail(j) (element j). for_each_step
+// runs one over a row on its own; row_two_dots can carry one along in its
+// sweep of *another* row (a companion), so an L1-bound update (the
+// forward's accumulator, the backward's gradient row) runs interleaved with
+// the memory-bound loads of the next row instead of in a loop of its own.
+// The same functor either way: the same bits either way.
+struct NoStep {
+  void step(int64_t) const {}
+  void tail(int64_t) const {}
 };
 
-// Two dot products of one row in one sweep: <x, v> (or, with kSquares, the
-// sum of squares <v, v>; x is then unused) and <y, v>; plus the companion
-// step (the dot products' bits do not depend on it).
-template <bool kSquares, Companion kCompanion = Companion::kNone, typename scalar_t,
+// acc = v (converted to the accumulation type): the first source of a token.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+struct InitStep {
+  using L = Lanes<scalar_t>;
+  acc_t* acc;
+  const scalar_t* v;
+  void step(int64_t jj) const {
+    typename L::AVec ov[L::kParts];
+    L::load(v + jj, ov);
+    for (int k = 0; k < L::kParts; ++k) ov[k].store(acc + jj + k * L::AVec::size());
+  }
+  void tail(int64_t j) const { acc[j] = static_cast<acc_t>(v[j]); }
+};
+
+// acc = acc * keep + take * v: the normalized online weighted sum (§8).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+struct AccumulateStep {
+  using L = Lanes<scalar_t>;
+  acc_t* acc;
+  const scalar_t* v;
+  acc_t keep, take;
+  void step(int64_t jj) const {
+    using AVec = typename L::AVec;
+    AVec ov[L::kParts];
+    L::load(v + jj, ov);
+    for (int k = 0; k < L::kParts; ++k) {
+      acc_t* a = acc + jj + k * AVec::size();
+      math::online_accumulate(AVec::loadu(a), AVec(keep), AVec(take), ov[k]).store(a);
+    }
+  }
+  void tail(int64_t j) const {
+    acc[j] = math::online_accumulate(acc[j], keep, take, static_cast<acc_t>(v[j]));
+  }
+};
+
+// dv = a*dh + alpha*u + beta*v (written as scalar_t, when kWriteGrad; with
+// non-temporal stores when `stream`) and z += alpha*v (when kAccumulateZ):
+// the gradients that were asked for.
+template <bool kWriteGrad, bool kAccumulateZ, typename scalar_t,
           typename acc_t = at::opmath_type<scalar_t>>
+struct SourceGradStep {
+  using L = Lanes<scalar_t>;
+  scalar_t* dv;
+  const scalar_t* v;
+  const acc_t* dh;
+  const acc_t* u;
+  math::SourceGrad<acc_t> g;
+  acc_t* z;
+  bool stream;
+  void step(int64_t jj) const {
+    using AVec = typename L::AVec;
+    const AVec a(g.a), alpha(g.alpha), beta(g.beta);
+    AVec vv[L::kParts], out[L::kParts];
+    L::load(v + jj, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t o = jj + k * AVec::size();
+      if constexpr (kWriteGrad) {
+        out[k] = math::source_grad(a, AVec::loadu(dh + o), alpha, AVec::loadu(u + o), beta,
+                                   vv[k]);
+      }
+      if constexpr (kAccumulateZ) {
+        at::vec::fmadd(alpha, vv[k], AVec::loadu(z + o)).store(z + o);
+      }
+    }
+    if constexpr (kWriteGrad) {
+      if (stream) {
+        L::store_stream(dv + jj, out);
+      } else {
+        L::store(dv + jj, out);
+      }
+    }
+  }
+  void tail(int64_t j) const {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    if constexpr (kWriteGrad) {
+      dv[j] = static_cast<scalar_t>(math::source_grad(g.a, dh[j], g.alpha, u[j], g.beta, vj));
+    }
+    if constexpr (kAccumulateZ) z[j] += g.alpha * vj;
+  }
+};
+
+template <typename scalar_t, typename Step>
+void for_each_step(const Step& s, int64_t D) {
+  using L = Lanes<scalar_t>;
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) s.step(j);
+  for (; j < D; ++j) s.tail(j);
+}
+
+// Two dot products of one row in one sweep: <x, v> (or, with kSquares, the
+// sum of squares <v, v>; x is then unused) and <y, v>; plus a companion
+// step on another row (the dot products' bits do not depend on it).
+template <bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>,
+          typename Companion = NoStep>
 void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
-                  acc_t& dot_x, acc_t& dot_y,
-                  const AccumulateStep<scalar_t, acc_t>& other = {}) {
+                  acc_t& dot_x, acc_t& dot_y, const Companion& other = {}) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  const AVec keep(other.keep), take(other.take);
   AVec dx[kChains], dy[kChains];
   for (int c = 0; c < kChains; ++c) dx[c] = dy[c] = AVec(acc_t(0));
   // One step: kParts (1 or 2) vectors into chains first .. first+kParts-1.
@@ -177,22 +262,11 @@ void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
       dx[first + k] = at::vec::fmadd(xv, vv[k], dx[first + k]);
       dy[first + k] = at::vec::fmadd(AVec::loadu(y + o), vv[k], dy[first + k]);
     }
-    if constexpr (kCompanion != Companion::kNone) {
-      AVec ov[L::kParts];
-      L::load(other.v + jj, ov);
-      for (int k = 0; k < L::kParts; ++k) {
-        acc_t* a = other.acc + jj + k * AVec::size();
-        if constexpr (kCompanion == Companion::kInit) {
-          ov[k].store(a);
-        } else {
-          math::online_accumulate(AVec::loadu(a), keep, take, ov[k]).store(a);
-        }
-      }
-    }
+    other.step(jj);
   };
   constexpr int kStepsPerRound = kChains / L::kParts;
-  int64_t j = 0;
   constexpr int kRoundBytes = kStepsPerRound * L::kStep * sizeof(scalar_t);
+  int64_t j = 0;
   for (; j + kStepsPerRound * L::kStep <= D; j += kStepsPerRound * L::kStep) {
     for (int b = 0; b < kRoundBytes; b += 64) {  // one prefetch per line
       __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes + b, 0, 3);
@@ -206,12 +280,7 @@ void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
     const acc_t vj = static_cast<acc_t>(v[j]);
     a += (kSquares ? vj : x[j]) * vj;
     b += y[j] * vj;
-    if constexpr (kCompanion == Companion::kInit) {
-      other.acc[j] = static_cast<acc_t>(other.v[j]);
-    } else if constexpr (kCompanion == Companion::kAccumulate) {
-      other.acc[j] = math::online_accumulate(other.acc[j], other.keep, other.take,
-                                             static_cast<acc_t>(other.v[j]));
-    }
+    other.tail(j);
   }
   dot_x = a;
   dot_y = b;
@@ -234,12 +303,12 @@ void row_scaled_sums(const scalar_t* v, const acc_t* u, acc_t c, int64_t D,
 }
 
 // rstd and score of one row: the plain sums, rescued when out of range.
-template <Companion kCompanion = Companion::kNone, typename scalar_t,
-          typename acc_t = at::opmath_type<scalar_t>>
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>,
+          typename Companion = NoStep>
 void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
-               acc_t& r, acc_t& s, const AccumulateStep<scalar_t, acc_t>& other = {}) {
+               acc_t& r, acc_t& s, const Companion& other = {}) {
   acc_t sumsq, dot_uv;
-  row_two_dots</*kSquares=*/true, kCompanion>(v, u, u, D, sumsq, dot_uv, other);
+  row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv, other);
   if (!math::row_needs_rescale(sumsq, dot_uv, eps)) {
     r = math::rstd_from_sumsq(sumsq, D, eps);
     s = math::score(r, dot_uv);
@@ -251,32 +320,16 @@ void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
   math::rescaled_stats(sumsq_c, dot_c, c, D, eps, r, s);
 }
 
-// acc = acc * keep + take * v (the normalized online weighted sum).
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_accumulate(acc_t* acc, acc_t keep, acc_t take, const scalar_t* v,
-                    int64_t D) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  const AVec c(keep), pv(take);
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec vv[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
-      acc_t* a = acc + j + k * AVec::size();
-      math::online_accumulate(AVec::loadu(a), c, pv, vv[k]).store(a);
-    }
-  }
-  for (; j < D; ++j) {
-    acc[j] = math::online_accumulate(acc[j], keep, take,
-                                     static_cast<acc_t>(v[j]));
-  }
-}
-
 // dst = src (converted to the accumulation type).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_load(acc_t* dst, const scalar_t* src, int64_t D) {
-  for (int64_t j = 0; j < D; ++j) dst[j] = static_cast<acc_t>(src[j]);
+  for_each_step<scalar_t>(InitStep<scalar_t>{dst, src}, D);
+}
+
+// acc = acc * keep + take * v (the normalized online weighted sum).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_accumulate(acc_t* acc, acc_t keep, acc_t take, const scalar_t* v, int64_t D) {
+  for_each_step<scalar_t>(AccumulateStep<scalar_t>{acc, v, keep, take}, D);
 }
 
 // out = acc * factor, converted to scalar_t.
@@ -297,59 +350,30 @@ void row_scale_store(scalar_t* out, const acc_t* acc, acc_t factor,
   for (; j < D; ++j) out[j] = static_cast<scalar_t>(acc[j] * factor);
 }
 
-// dv = a*dh + alpha*u + beta*v (written as scalar_t, when kWriteGrad) and
-// z += alpha*v (when kAccumulateZ): the gradients that were asked for.
-template <bool kWriteGrad, bool kAccumulateZ, typename scalar_t,
-          typename acc_t = at::opmath_type<scalar_t>>
-void row_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* dh,
-                     const acc_t* u, const math::SourceGrad<acc_t>& g,
-                     acc_t* z, int64_t D, bool stream) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  const AVec a(g.a), alpha(g.alpha), beta(g.beta);
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec vv[L::kParts], out[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int64_t o = j + k * AVec::size();
-      if constexpr (kWriteGrad) {
-        out[k] = math::source_grad(a, AVec::loadu(dh + o), alpha,
-                                   AVec::loadu(u + o), beta, vv[k]);
-      }
-      if constexpr (kAccumulateZ) {
-        at::vec::fmadd(alpha, vv[k], AVec::loadu(z + o)).store(z + o);
-      }
-    }
-    if constexpr (kWriteGrad) {
-      if (stream) {
-        L::store_stream(dv + j, out);
-      } else {
-        L::store(dv + j, out);
-      }
-    }
-  }
-  for (; j < D; ++j) {
-    const acc_t vj = static_cast<acc_t>(v[j]);
-    if constexpr (kWriteGrad) {
-      dv[j] = static_cast<scalar_t>(
-          math::source_grad(g.a, dh[j], g.alpha, u[j], g.beta, vj));
-    }
-    if constexpr (kAccumulateZ) z[j] += g.alpha * vj;
-  }
-}
-
-// The pass-2 sweep of one source row for what is wanted of it.
+// The pass-2 sweep of one source row for what is wanted of it, or (with a
+// row `next` to take the dot products of) that sweep as the companion of
+// next's: then <dh_next, next> and <u, next> come back in dot_dh / dot_u.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_wanted_grads(scalar_t* dv, const scalar_t* v, const acc_t* dh,
                       const acc_t* u, const math::SourceGrad<acc_t>& g,
-                      acc_t* z, int64_t D, bool stream = false) {
+                      acc_t* z, int64_t D, bool stream = false,
+                      const scalar_t* next = nullptr, const acc_t* dh_next = nullptr,
+                      acc_t* dot_dh = nullptr, acc_t* dot_u = nullptr) {
+  auto run = [&](const auto& grads) {
+    if (next) {
+      row_two_dots<false>(next, dh_next, u, D, *dot_dh, *dot_u, grads);
+    } else {
+      for_each_step<scalar_t>(grads, D);
+    }
+  };
   if (dv && z) {
-    row_source_grad<true, true>(dv, v, dh, u, g, z, D, stream);
+    run(SourceGradStep<true, true, scalar_t>{dv, v, dh, u, g, z, stream});
   } else if (dv) {
-    row_source_grad<true, false>(dv, v, dh, u, g, z, D, stream);
+    run(SourceGradStep<true, false, scalar_t>{dv, v, dh, u, g, z, stream});
   } else if (z) {
-    row_source_grad<false, true>(dv, v, dh, u, g, z, D, false);
+    run(SourceGradStep<false, true, scalar_t>{dv, v, dh, u, g, z, false});
+  } else if (next) {
+    row_two_dots<false>(next, dh_next, u, D, *dot_dh, *dot_u);
   }
 }
 
@@ -461,7 +485,7 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
       for (int64_t i = 0; i < N; ++i) {
         // Token k's step of the weighted sum is done in the sweep of token
         // k+1's row (row_two_dots' companion), the last one on its own.
-        AccumulateStep<scalar_t, acc_t> pending;
+        AccumulateStep<scalar_t> pending{};
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
           const scalar_t* v = src.row(i, t);
@@ -469,9 +493,9 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
           if (k == 0) {
             row_stats(v, u, D, eps, r, sc);
           } else if (i == 0) {
-            row_stats<Companion::kInit>(v, u, D, eps, r, sc, pending);
+            row_stats(v, u, D, eps, r, sc, InitStep<scalar_t>{pending.acc, pending.v});
           } else {
-            row_stats<Companion::kAccumulate>(v, u, D, eps, r, sc, pending);
+            row_stats(v, u, D, eps, r, sc, pending);
           }
           rstd_p[i * T + t] = r;
           scores[i * tile + k] = sc;
@@ -649,20 +673,34 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
     std::vector<acc_t> sum_rel(tile), dp_pivot(tile);
     std::vector<int64_t> pivot_of(tile);
     std::vector<char> rare(tile);
-    // One source row of one token: coefficients, the rare check, and (from
-    // L1) the wanted gradient and z terms.
-    auto finish_row = [&](int64_t i, int64_t k, int64_t t, acc_t dp, acc_t s) {
+    // One source row of one token: its coefficients, or false (and the
+    // token marked rare) when they are near the dtype's limits.
+    auto row_coefficients = [&](int64_t i, int64_t k, int64_t t, acc_t dp, acc_t s,
+                                math::SourceGrad<acc_t>& g) {
       const acc_t a = w_p[i * T + t], r = rstd_p[i * T + t];
       const acc_t dp_rel = dp - dp_pivot[k];
-      const auto g = math::source_grad_coefficients(a, r, s, dp_rel, sum_rel[k], D);
+      g = math::source_grad_coefficients(a, r, s, dp_rel, sum_rel[k], D);
       if (math::backward_row_is_rare(a, r, s, dp_rel, sum_rel[k], g)) {
         rare[k] = 1;
         tile_rare = true;
-        return;
+        return false;
       }
       if (want_z) alpha[i * tile + k] = g.alpha;
-      row_wanted_grads(dv_p[i] ? dv_p[i] + t * D : nullptr, src.row(i, t),
-                       dh.data() + k * D, u, g, z, D, stream);
+      return true;
+    };
+    // The gradient sweep (from L1) of a row whose coefficients are known:
+    // alone, or as the companion of the dot products of the row `next`.
+    struct Pending {
+      bool active = false;
+      int64_t i = 0, k = 0, t = 0;
+      math::SourceGrad<acc_t> g{};
+    };
+    auto gradient_sweep = [&](const Pending& row, const scalar_t* next = nullptr,
+                              const acc_t* dh_next = nullptr, acc_t* dot_dh = nullptr,
+                              acc_t* dot_u = nullptr) {
+      row_wanted_grads(dv_p[row.i] ? dv_p[row.i] + row.t * D : nullptr, src.row(row.i, row.t),
+                       dh.data() + row.k * D, u, row.g, z, D, stream, next, dh_next, dot_dh,
+                       dot_u);
     };
     for (int64_t c = c_begin; c < c_end; ++c) {
       z = want_z ? partial.data() + c * D : nullptr;
@@ -708,21 +746,34 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
           pivot_of[k] = piv;
           dp_pivot[k] = dot_dh;
           sum_rel[k] = dot_dh_rest + rest_gw;
-          if (dv_p[piv] || want_z) {
-            finish_row(piv, k, t, dot_dh, math::score(rstd_p[piv * T + t], dot_u));
+          Pending row{true, piv, k, t, {}};
+          if ((dv_p[piv] || want_z) &&
+              row_coefficients(piv, k, t, dot_dh, math::score(rstd_p[piv * T + t], dot_u), row.g)) {
+            gradient_sweep(row);
           }
         }
-        // The other sources, source-major: one read of each row from memory.
+        // The other sources, source-major: one read of each row from memory,
+        // in a sweep that also writes the previous row's gradient (from L1).
         for (int64_t i = 0; i < N; ++i) {
           if (!dv_p[i] && !want_z) continue;
+          Pending pending;
           for (int64_t k = 0; k < n_tok; ++k) {
             if (rare[k] || pivot_of[k] == i) continue;
             const int64_t t = t0 + k;
+            const scalar_t* v = src.row(i, t);
+            const acc_t* dh_k = dh.data() + k * D;
             acc_t dot_dh, dot_u;
-            row_two_dots<false>(src.row(i, t), dh.data() + k * D, u, D, dot_dh, dot_u);
+            if (pending.active) {
+              gradient_sweep(pending, v, dh_k, &dot_dh, &dot_u);
+            } else {
+              row_two_dots<false>(v, dh_k, u, D, dot_dh, dot_u);
+            }
             if (gw_p) dot_dh += gw_p[i * T + t];
-            finish_row(i, k, t, dot_dh, math::score(rstd_p[i * T + t], dot_u));
+            pending = {true, i, k, t, {}};
+            pending.active =
+                row_coefficients(i, k, t, dot_dh, math::score(rstd_p[i * T + t], dot_u), pending.g);
           }
+          if (pending.active) gradient_sweep(pending);
         }
         if (want_z && tile_rare) {
           // A rare token's first rows are already in z: restore the tile's
