@@ -230,8 +230,10 @@ struct SourceGradStep {
   }
 };
 
+// Steps are taken by value: a copy's fields are locals that the stores
+// through acc/dv/z cannot alias, so they stay in registers.
 template <typename scalar_t, typename Step>
-void for_each_step(const Step& s, int64_t D) {
+void for_each_step(const Step s, int64_t D) {
   using L = Lanes<scalar_t>;
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) s.step(j);
@@ -244,7 +246,7 @@ void for_each_step(const Step& s, int64_t D) {
 template <bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>,
           typename Companion = NoStep>
 void row_two_dots(const scalar_t* v, const acc_t* x, const acc_t* y, int64_t D,
-                  acc_t& dot_x, acc_t& dot_y, const Companion& other = {}) {
+                  acc_t& dot_x, acc_t& dot_y, const Companion other = {}) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
   AVec dx[kChains], dy[kChains];
@@ -306,7 +308,7 @@ void row_scaled_sums(const scalar_t* v, const acc_t* u, acc_t c, int64_t D,
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>,
           typename Companion = NoStep>
 void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
-               acc_t& r, acc_t& s, const Companion& other = {}) {
+               acc_t& r, acc_t& s, const Companion other = {}) {
   acc_t sumsq, dot_uv;
   row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv, other);
   if (!math::row_needs_rescale(sumsq, dot_uv, eps)) {
