@@ -108,14 +108,17 @@ struct BackwardPlan {
 
 inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
                                   int natural, size_t acc_size,
-                                  int64_t smem_optin_bytes) {
+                                  int64_t smem_optin_bytes, bool single_pass) {
   BackwardPlan plan;
   // Staging copies 16-byte packs with cp.async; sub-warp groups must fill
-  // whole warps.
-  if (tile.vec == natural) {
+  // whole warps. The single-pass backward reads each row once: nothing to
+  // stage.
+  if (tile.vec == natural && !single_pass) {
     const int64_t per_token = N * tile.vpt * tile.group * 16;
     const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-    const int64_t budget = std::min<int64_t>(kStageBytesPerCta, smem_optin_bytes - 4096);
+    const int64_t budget = std::min<int64_t>(
+        kStageBytesPerCta,
+        smem_optin_bytes - 4096 - u_smem_bytes(D, static_cast<int64_t>(acc_size)));
     int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
     tokens -= tokens % min_tokens;
     if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
@@ -128,6 +131,8 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   if (tile.tokens_per_cta > 1) {
     plan.smem_bytes = std::max(plan.smem_bytes, static_cast<size_t>(D) * acc_size);
   }
+  // u comes first (u_smem_bytes).
+  plan.smem_bytes += static_cast<size_t>(u_smem_bytes(D, static_cast<int64_t>(acc_size)));
   plan.tile = tile;
   return plan;
 }
