@@ -260,6 +260,7 @@ cases = [  # dtype, N, T, D, layout
     (torch.float32, 3, 7, 100, "strided"),       # scalar path (odd row stride)
     (torch.float32, 3, 7, 64, "misaligned"),
     (torch.float32, 70, 5, 16, "contiguous"),    # > 64 sources: overflow table
+    (torch.float32, 2, 1024, 1024, "contiguous"),  # backward grid of several waves
     (torch.bfloat16, 9, 20, 1024, "contiguous"), # staged, several tokens per CTA
     (torch.bfloat16, 65, 3, 1000, "contiguous"), # not staged
     (torch.bfloat16, 3, 5, 7186, "contiguous"),  # scalar path, block mode

@@ -122,9 +122,10 @@ void backward(const BackwardCall& call) {
         const BackwardPlan plan = backward_plan<scalar_t>(
             src.layout, grad_out, dh.row_stride, out, h.row_stride, p.T, p.N, p.D,
             static_cast<int64_t>(props->sharedMemPerBlockOptin));
-        // A grid that fits the device at once: each CTA loops over tokens and
-        // keeps its share of z in registers, so the partial rows stay few.
-        // It depends only on the shape and the device: same bits every run.
+        // A grid of a few waves of the CTAs the device holds at once
+        // (backward_grid_cap): each CTA loops over tokens and keeps its share
+        // of z in registers, so the partial rows stay few. It depends only on
+        // the shape and the device: same bits every run.
         const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes);
         TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
                     plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
@@ -134,7 +135,9 @@ void backward(const BackwardCall& call) {
             dh.row_stride, out, h.row_stride, call.rstd.const_data_ptr<acc_t>(),
             call.weights.const_data_ptr<acc_t>(),
             call.grad_weights.defined() ? call.grad_weights.const_data_ptr<acc_t>() : nullptr,
-            p.T, p.N, p.D, static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount);
+            p.T, p.N, p.D,
+            backward_grid_cap(static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount,
+                              p.D, sizeof(acc_t)));
         at::Tensor partial;
         if (call.z.defined()) {
           partial = at::empty({launch.config.grid, p.D}, call.z.options());

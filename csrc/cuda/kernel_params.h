@@ -111,9 +111,9 @@ BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* gra
                        sizeof(acc_t), smem_optin_bytes, single_pass);
 }
 
-// Backward: the grid is at most grid_cap CTAs (the resident CTAs on a GPU,
-// so each CTA keeps its query-gradient partial in registers across its
-// tokens). params.z_partial ([config.grid, D]) is left for the caller to set
+// Backward: the grid is at most grid_cap CTAs (on a GPU a few waves of the
+// resident CTAs, backward_grid_cap, so each CTA keeps its query-gradient
+// partial in registers across many tokens). params.z_partial ([config.grid, D]) is left for the caller to set
 // (or to leave null when no query/gain gradient is wanted).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 KernelLaunch<BackwardParams<scalar_t>> backward_launch(

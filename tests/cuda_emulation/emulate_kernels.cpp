@@ -361,6 +361,27 @@ int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
   std::mt19937_64 rng(12345);
   int failures = 0;
+  // The backward grid's waves (host planning, plan.h): 4 waves while the
+  // partial rows stay within kPartialRowBytes, fewer above, never under one.
+  {
+    struct GridCase {
+      int64_t resident, D, acc_size, want;
+    };
+    const GridCase grid_cases[] = {
+        {264, 4096, 4, 4 * 264},   // H200-like, bf16/fp32 D = 4096: 16.5 MiB of rows
+        {132, 16384, 4, 3 * 132},  // 4 waves would be 33 MiB
+        {132, 16384, 8, 1 * 132},  // fp64: 16.5 MiB a wave, still one wave
+        {1024, 16384, 8, 1024},    // beyond the budget in one wave: one wave
+        {0, 64, 4, 4},             // no occupancy information: at least one CTA
+    };
+    for (const auto& g : grid_cases) {
+      const int64_t got = backward_grid_cap(g.resident, g.D, g.acc_size);
+      const bool ok = got == g.want;
+      failures += ok ? 0 : 1;
+      std::printf("%s grid cap resident=%ld D=%ld acc=%ld -> %ld (want %ld)\n", ok ? "ok  " : "FAIL",
+                  long(g.resident), long(g.D), long(g.acc_size), long(got), long(g.want));
+    }
+  }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
     if (!only.empty() && only != dtype_name<scalar_t>()) return;

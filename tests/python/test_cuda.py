@@ -220,6 +220,7 @@ def test_more_than_2_31_elements():
     (3, (2048,), 64, torch.float32),      # several tokens per warp
     (65, (512,), 7186, torch.bfloat16),   # block per token, scalar path, no staging
     (5, (1000,), 4096, torch.float16),    # block per token, 16-byte path
+    (4, (16384,), 1024, torch.float32),   # single pass, a grid of several waves
 ])
 def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
