@@ -810,13 +810,19 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const ThreadPlace pos(p);
   int parity = 0;
-  // u, copied once per CTA into the front of the dynamic shared memory: it
-  // is read for every row of every token (twice per row).
-  acc_t* u_s = reinterpret_cast<acc_t*>(dynamic_smem);
-  for (int d = static_cast<int>(threadIdx.x); d < pos.D; d += static_cast<int>(blockDim.x)) {
-    u_s[d] = p.u[d];
+  // u, copied once per CTA into the front of the dynamic shared memory
+  // (float accumulation, u_in_shared): it is read for every row of every
+  // token (twice per row). fp64 reads it from global memory.
+  constexpr bool kUShared = u_in_shared(sizeof(acc_t));
+  const acc_t* u_s = p.u;
+  if constexpr (kUShared) {
+    acc_t* copy = reinterpret_cast<acc_t*>(dynamic_smem);
+    for (int d = static_cast<int>(threadIdx.x); d < pos.D; d += static_cast<int>(blockDim.x)) {
+      copy[d] = p.u[d];
+    }
+    __syncthreads();
+    u_s = copy;
   }
-  __syncthreads();
   // The staging area or the z sum follow u.
   unsigned char* const after_u = dynamic_smem + u_smem_bytes(pos.D, sizeof(acc_t));
   // Two-pass only: this group's staging area, entry (i, k) of this lane at
@@ -923,7 +929,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, i0, t, rows);
         }
         acc_t dots[2 * SU];
-        row_dots<RowDots::kDhOnly, true>(rows, dh, u_s, pos.lane, pos.G, pos.D, dots);
+        row_dots<RowDots::kDhOnly, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, dots);
 #pragma unroll
         for (int j = 0; j < SU; ++j) {
           if (i0 + j < pos.N) {
@@ -959,7 +965,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         backward_fetch_rows<kLast, SU>(p, pos, stage, staged, i0, t, rows);
       }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
-      row_dots<RowDots::kDhAndU, true>(rows, dh, u_s, pos.lane, pos.G, pos.D, sums);
+      row_dots<RowDots::kDhAndU, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, sums);
       group_allreduce<2 * SU>(sums, pos.G, red, parity);
 
 #pragma unroll
@@ -982,7 +988,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int k = 0; k < VPT; ++k) {
             const int c = (k * pos.G + pos.lane) * VEC;
             if (c < pos.D) {
-              const Acc u = load_u<true, acc_t, VEC>(u_s + c);
+              const Acc u = load_u<kUShared, acc_t, VEC>(u_s + c);
               Row o;
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {

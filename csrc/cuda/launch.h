@@ -83,9 +83,14 @@ struct BackwardParams {
 // The backward's dynamic shared memory starts with a copy of u ([D] in
 // the accumulation dtype, loaded once per CTA: the grid is persistent and u
 // is read for every row of every token), rounded up to 16 bytes; the
-// staging area and the z sum follow it.
+// staging area and the z sum follow it. Only for float accumulation (at
+// most 64 KiB at D = 16384, within every sm_80+ GPU's opt-in shared
+// memory): fp64 sources (a gradcheck dtype) read u from global memory, as
+// 128 KiB would not fit the 99 KiB of sm_86/sm_89 and fail to launch.
+constexpr bool u_in_shared(int64_t acc_size) { return acc_size == 4; }
+
 constexpr int64_t u_smem_bytes(int64_t D, int64_t acc_size) {
-  return (D * acc_size + 15) / 16 * 16;
+  return u_in_shared(acc_size) ? (D * acc_size + 15) / 16 * 16 : 0;
 }
 
 // Whether the backward of this source dtype is single-pass (sum_j a_j dp_j
