@@ -547,8 +547,8 @@ class Case:
 def floor_bytes(pass_name: str, N: int, T: int, D: int, elem: int, reads_h: bool = False) -> int:
     """Bytes the op's design moves (docs/design.md §5): forward N sources read + h written;
     backward N sources and dh read + N gradients written, plus the h row read where the
-    backward is single-pass (reads_h: CPU float32/float64). The two-pass form (CPU bf16/fp16,
-    CUDA) re-reads the sources from cache, so it moves the (2N+1) floor."""
+    backward is single-pass (reads_h: float32/float64, CPU and CUDA). The two-pass form
+    (bf16/fp16) re-reads the sources from cache, so it moves the (2N+1) floor."""
     fwd = (N + 1) * T * D * elem
     bwd = (2 * N + 1 + int(reads_h)) * T * D * elem
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_name]
@@ -850,7 +850,7 @@ def run_benchmark(args) -> int:
                         torch.cuda.empty_cache()
                     continue
                 ms = seconds * 1e3
-                reads_h = not cuda and dtype in (torch.float32, torch.float64)
+                reads_h = dtype in (torch.float32, torch.float64)
                 gbps = floor_bytes(pass_name, N, T, D, elem, reads_h) / seconds / 1e9
                 row = {**base_row(dtype_name, N, T, D, pass_name, impl),
                        "ms": f"{ms:.6g}", "gbps": f"{gbps:.4g}", "pct_copy_bw": f"{100 * gbps / copy_gbps:.3g}",

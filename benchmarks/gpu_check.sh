@@ -253,18 +253,20 @@ sanitize_stage() {
 import torch, attnres
 dev = "cuda"
 cases = [  # dtype, N, T, D, layout
-    (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, staged backward
+    (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, single-pass backward
     (torch.float32, 5, 9, 1000, "contiguous"),   # warp per token
     (torch.float32, 3, 5, 2052, "contiguous"),   # block mode, 2 tokens per CTA
     (torch.float32, 2, 3, 16384, "contiguous"),  # widest rows
     (torch.float32, 3, 7, 100, "strided"),       # scalar path (odd row stride)
     (torch.float32, 3, 7, 64, "misaligned"),
     (torch.float32, 70, 5, 16, "contiguous"),    # > 64 sources: overflow table
+    (torch.float32, 2, 1024, 1024, "contiguous"),  # backward grid of several waves
     (torch.bfloat16, 9, 20, 1024, "contiguous"), # staged, several tokens per CTA
     (torch.bfloat16, 65, 3, 1000, "contiguous"), # not staged
     (torch.bfloat16, 3, 5, 7186, "contiguous"),  # scalar path, block mode
-    (torch.float16, 17, 6, 64, "contiguous"),
+    (torch.float16, 17, 6, 64, "contiguous"),     # two-pass, staged, sub-warp groups
     (torch.float64, 3, 5, 70, "contiguous"),
+    (torch.float64, 2, 3, 1030, "contiguous"),    # single pass, 16-byte packs, block mode
 ]
 for dtype, n, t, d, layout in cases:
     g = torch.Generator(device="cpu").manual_seed(n * d)

@@ -103,13 +103,13 @@ void forward(const ForwardCall& call) {
       });
 }
 
-// Still the two-pass backward (docs/design.md §2, §7): it takes
-// sum_j a_j dp_j from the saved weights and leaves call.out (the forward's
-// h, which the CPU's single-pass backward reads) unused. A single-pass CUDA
-// kernel is later work.
+// float32/float64: the single-pass backward (sum_j a_j dp_j = <dh, h> +
+// sum_j a_j gw_j from the forward's h, call.out); bfloat16/float16: the
+// two-pass one (from the saved weights; docs/design.md §2, §7, §8).
 void backward(const BackwardCall& call) {
   const DepthProblem& p = call.problem;
   const Rows dh = as_rows(call.grad_out);
+  const Rows h = as_rows(call.out);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -118,21 +118,26 @@ void backward(const BackwardCall& call) {
         const DeviceSources src(call.sources, &call.grad_sources, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
         const scalar_t* grad_out = dh.tensor.const_data_ptr<scalar_t>();
-        const BackwardPlan plan =
-            backward_plan<scalar_t>(src.layout, grad_out, dh.row_stride, p.T, p.N, p.D,
-                                    static_cast<int64_t>(props->sharedMemPerBlockOptin));
-        // A grid that fits the device at once: each CTA loops over tokens and
-        // keeps its share of z in registers, so the partial rows stay few.
-        // It depends only on the shape and the device: same bits every run.
+        const scalar_t* out = h.tensor.const_data_ptr<scalar_t>();
+        const BackwardPlan plan = backward_plan<scalar_t>(
+            src.layout, grad_out, dh.row_stride, out, h.row_stride, p.T, p.N, p.D,
+            static_cast<int64_t>(props->sharedMemPerBlockOptin));
+        // A grid of a few waves of the CTAs the device holds at once
+        // (backward_grid_cap): each CTA loops over tokens and keeps its share
+        // of z in registers, so the partial rows stay few. It depends only on
+        // the shape and the device: same bits every run.
         const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes);
         TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
                     plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
                     plan.smem_bytes, " bytes of shared memory on this device");
         auto launch = backward_launch<scalar_t>(
             plan, src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), grad_out,
-            dh.row_stride, call.rstd.const_data_ptr<acc_t>(), call.weights.const_data_ptr<acc_t>(),
+            dh.row_stride, out, h.row_stride, call.rstd.const_data_ptr<acc_t>(),
+            call.weights.const_data_ptr<acc_t>(),
             call.grad_weights.defined() ? call.grad_weights.const_data_ptr<acc_t>() : nullptr,
-            p.T, p.N, p.D, static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount);
+            p.T, p.N, p.D,
+            backward_grid_cap(static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount,
+                              p.D, sizeof(acc_t)));
         at::Tensor partial;
         if (call.z.defined()) {
           partial = at::empty({launch.config.grid, p.D}, call.z.options());

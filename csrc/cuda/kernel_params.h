@@ -95,31 +95,42 @@ KernelLaunch<ForwardParams<scalar_t>> forward_launch(
 
 // Backward plan (tile, staging, dynamic shared memory): the caller asks the
 // device how many CTAs of it are resident before building the launch.
+// out (the forward's h) is read by the single-pass backward only
+// (backward_single_pass<scalar_t>()); the two-pass one ignores it.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* grad_out,
-                           int64_t grad_out_stride, int64_t T, int64_t N, int64_t D,
-                           int64_t smem_optin_bytes) {
+                           int64_t grad_out_stride, const scalar_t* out, int64_t out_stride,
+                           int64_t T, int64_t N, int64_t D, int64_t smem_optin_bytes) {
   constexpr int natural = natural_vec<scalar_t>();
-  const bool vector_ok = sources.vector_aligned &&
-                         rows_aligned(grad_out, grad_out_stride, T, natural, sizeof(scalar_t));
+  constexpr bool single_pass = backward_single_pass<scalar_t>();
+  const bool vector_ok =
+      sources.vector_aligned &&
+      rows_aligned(grad_out, grad_out_stride, T, natural, sizeof(scalar_t)) &&
+      (!single_pass || rows_aligned(out, out_stride, T, natural, sizeof(scalar_t)));
   return plan_backward(choose_backward_tile(D, vector_ok, natural), N, D, natural,
-                       sizeof(acc_t), smem_optin_bytes);
+                       sizeof(acc_t), smem_optin_bytes, single_pass);
 }
 
-// Backward: the grid is at most grid_cap CTAs (the resident CTAs on a GPU,
-// so each CTA keeps its query-gradient partial in registers across its
-// tokens). params.z_partial ([config.grid, D]) is left for the caller to set
+// Backward: the grid is at most grid_cap CTAs (on a GPU a few waves of the
+// resident CTAs, backward_grid_cap, so each CTA keeps its query-gradient
+// partial in registers across many tokens). params.z_partial ([config.grid, D]) is left for the caller to set
 // (or to leave null when no query/gain gradient is wanted).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 KernelLaunch<BackwardParams<scalar_t>> backward_launch(
     const BackwardPlan& plan, const SourceTableLayout& sources,
     const SourceEntry* overflow_on_device, const acc_t* u, const scalar_t* grad_out,
-    int64_t grad_out_stride, const acc_t* rstd, const acc_t* weights, const acc_t* grad_weights,
-    int64_t T, int64_t N, int64_t D, int64_t grid_cap) {
+    int64_t grad_out_stride, const scalar_t* out, int64_t out_stride, const acc_t* rstd,
+    const acc_t* weights, const acc_t* grad_weights, int64_t T, int64_t N, int64_t D,
+    int64_t grid_cap) {
   KernelLaunch<BackwardParams<scalar_t>> launch{};
   fill_common(launch.params, sources, overflow_on_device, u, T, N, D, plan.tile);
   launch.params.grad_out = grad_out;
   launch.params.grad_out_stride = grad_out_stride;
+  const bool single_pass = backward_single_pass<scalar_t>();
+  TORCH_CHECK(!single_pass || out != nullptr,
+              "attnres: the single-pass CUDA backward needs the forward's output h");
+  launch.params.out = single_pass ? out : nullptr;
+  launch.params.out_stride = single_pass ? out_stride : 0;
   launch.params.rstd = rstd;
   launch.params.weights = weights;
   launch.params.grad_weights = grad_weights;

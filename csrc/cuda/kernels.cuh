@@ -71,10 +71,62 @@ struct alignas(sizeof(T) * VEC) Pack {
 };
 
 // Packs in global memory, through explicit global-space instructions
-// (__ldg: LDG, st.global: STG). Pointers read from the source table are not
-// known to the compiler as global and would otherwise get generic LD/ST.
-// Sources, dh and u are read-only while a kernel runs.
-template <typename T, int VEC>
+// (LDG, STG). Pointers read from the source table are not known to the
+// compiler as global and would otherwise get generic LD/ST. Sources, dh, h
+// and u are read-only while a kernel runs.
+//
+// Cache hints (docs/design.md §7):
+//  - kKeep: the plain read-only load (__ldg), for what is read again (u;
+//    the two-pass backward's first read of a row, which its second pass
+//    takes from L2; the rare paths' re-reads).
+//  - kStream: a row this kernel reads once: ld.global.cs.nc, evict-first
+//    in L1 and L2 (the per-instruction .L2::evict_first qualifier needs
+//    256-bit loads; see ld_stream).
+//  - Stores of h and dv use st.global.cs (streaming: written once, not read
+//    by this kernel).
+// The host build of the emulation (no __CUDA_ARCH__) uses plain accesses.
+enum class LoadHint { kKeep, kStream };
+
+#if defined(__CUDA_ARCH__)
+// ld.global.cs.nc of one 16/8/4/2-byte word: read-only (non-coherent) path,
+// cache-streaming (evict-first in L1 and L2). Not volatile, no memory
+// clobber: the data is read-only during the kernel (the contract of __ldg).
+// (.L1::no_allocate with an L2::evict_first createpolicy would do too, at
+// the price of a 64-bit policy operand; .cs needs none.)
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 w;
+  asm("ld.global.cs.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+      : "l"(p));
+  return w;
+}
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+  uint2 w;
+  asm("ld.global.cs.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(w.x), "=r"(w.y) : "l"(p));
+  return w;
+}
+__device__ __forceinline__ unsigned int ld_stream(const unsigned int* p) {
+  unsigned int w;
+  asm("ld.global.cs.nc.u32 %0, [%1];\n" : "=r"(w) : "l"(p));
+  return w;
+}
+__device__ __forceinline__ unsigned short ld_stream(const unsigned short* p) {
+  unsigned short w;
+  asm("ld.global.cs.nc.u16 %0, [%1];\n" : "=h"(w) : "l"(p));
+  return w;
+}
+
+template <LoadHint kHint, typename W>
+__device__ __forceinline__ W ld_word(const W* p) {
+  if constexpr (kHint == LoadHint::kStream) {
+    return ld_stream(p);
+  } else {
+    return __ldg(p);
+  }
+}
+#endif
+
+template <typename T, int VEC, LoadHint kHint = LoadHint::kKeep>
 __device__ __forceinline__ Pack<T, VEC> load_global(const T* p) {
   using P = Pack<T, VEC>;
 #if defined(__CUDA_ARCH__)
@@ -83,17 +135,19 @@ __device__ __forceinline__ Pack<T, VEC> load_global(const T* p) {
   if constexpr (kBytes % 16 == 0) {
     uint4 words[kBytes / 16];
 #pragma unroll
-    for (int w = 0; w < kBytes / 16; ++w) words[w] = __ldg(reinterpret_cast<const uint4*>(p) + w);
+    for (int w = 0; w < kBytes / 16; ++w) {
+      words[w] = ld_word<kHint>(reinterpret_cast<const uint4*>(p) + w);
+    }
     __builtin_memcpy(&out, words, kBytes);
   } else if constexpr (kBytes == 8) {
-    const uint2 word = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 word = ld_word<kHint>(reinterpret_cast<const uint2*>(p));
     __builtin_memcpy(&out, &word, kBytes);
   } else if constexpr (kBytes == 4) {
-    const unsigned int word = __ldg(reinterpret_cast<const unsigned int*>(p));
+    const unsigned int word = ld_word<kHint>(reinterpret_cast<const unsigned int*>(p));
     __builtin_memcpy(&out, &word, kBytes);
   } else {
     static_assert(kBytes == 2, "unexpected pack size");
-    const unsigned short word = __ldg(reinterpret_cast<const unsigned short*>(p));
+    const unsigned short word = ld_word<kHint>(reinterpret_cast<const unsigned short*>(p));
     __builtin_memcpy(&out, &word, kBytes);
   }
   return out;
@@ -102,7 +156,8 @@ __device__ __forceinline__ Pack<T, VEC> load_global(const T* p) {
 #endif
 }
 
-template <typename T, int VEC>
+// st.global (kStreamStore: st.global.cs) of one pack.
+template <typename T, int VEC, bool kStreamStore = false>
 __device__ __forceinline__ void store_global(T* p, const Pack<T, VEC>& v) {
   using P = Pack<T, VEC>;
 #if defined(__CUDA_ARCH__)
@@ -110,22 +165,41 @@ __device__ __forceinline__ void store_global(T* p, const Pack<T, VEC>& v) {
   if constexpr (kBytes == 16) {
     uint4 w;
     __builtin_memcpy(&w, &v, kBytes);
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y),
-                 "r"(w.z), "r"(w.w)
-                 : "memory");
+    if constexpr (kStreamStore) {
+      asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y),
+                   "r"(w.z), "r"(w.w)
+                   : "memory");
+    } else {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y),
+                   "r"(w.z), "r"(w.w)
+                   : "memory");
+    }
   } else if constexpr (kBytes == 8) {
     uint2 w;
     __builtin_memcpy(&w, &v, kBytes);
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+    if constexpr (kStreamStore) {
+      asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w.x), "r"(w.y)
+                   : "memory");
+    } else {
+      asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+    }
   } else if constexpr (kBytes == 4) {
     unsigned int w;
     __builtin_memcpy(&w, &v, kBytes);
-    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+    if constexpr (kStreamStore) {
+      asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+    } else {
+      asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+    }
   } else {
     static_assert(kBytes == 2, "unexpected pack size");
     unsigned short w;
     __builtin_memcpy(&w, &v, kBytes);
-    asm volatile("st.global.b16 [%0], %1;\n" ::"l"(p), "h"(w) : "memory");
+    if constexpr (kStreamStore) {
+      asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(w) : "memory");
+    } else {
+      asm volatile("st.global.b16 [%0], %1;\n" ::"l"(p), "h"(w) : "memory");
+    }
   }
 #else
   *reinterpret_cast<P*>(p) = v;
@@ -174,7 +248,7 @@ __device__ __forceinline__ typename Params::acc_t weight_grad(const Params& p, i
 }
 
 // Rows i0 .. i0+SU-1 of token t (zeros past N and past D) from global memory.
-template <typename scalar_t, int VEC, int VPT, int SU>
+template <typename scalar_t, int VEC, int VPT, int SU, LoadHint kHint = LoadHint::kKeep>
 __device__ __forceinline__ void load_rows(const SourceTable& table,
                                           const SourceEntry* overflow, int i0,
                                           int N, int64_t t, int lane, int G,
@@ -186,7 +260,7 @@ __device__ __forceinline__ void load_rows(const SourceTable& table,
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int c = (k * G + lane) * VEC;
-        rows[j][k] = c < D ? load_global<scalar_t, VEC>(row + c)
+        rows[j][k] = c < D ? load_global<scalar_t, VEC, kHint>(row + c)
                            : zero_pack<scalar_t, VEC>();
       }
     } else {
@@ -305,7 +379,32 @@ __device__ __forceinline__ void copy_async_commit_and_wait() {
 //   sums[2j + 1] = <u, v_j>                (unless kDhOnly)
 enum class RowDots { kSquaresAndU, kDhAndU, kDhOnly };
 
-template <RowDots kDots, typename scalar_t, int VEC, int VPT, int SU, typename acc_t>
+// VEC elements of u at u + c: from shared memory (kShared: the backward's
+// copy of u) or global memory (the forward).
+template <bool kShared, typename acc_t, int VEC>
+__device__ __forceinline__ Pack<acc_t, VEC> load_u(const acc_t* u) {
+  if constexpr (kShared) {
+    // In 16-byte words (a pack of 8 floats is 32-byte aligned as a type,
+    // the shared copy only 16-byte aligned).
+    Pack<acc_t, VEC> out;
+    constexpr int kBytes = static_cast<int>(sizeof(out));
+    if constexpr (kBytes % 16 == 0) {
+      uint4 words[kBytes / 16];
+#pragma unroll
+      for (int w = 0; w < kBytes / 16; ++w) words[w] = reinterpret_cast<const uint4*>(u)[w];
+      __builtin_memcpy(&out, words, kBytes);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) out.x[e] = u[e];
+    }
+    return out;
+  } else {
+    return load_global<acc_t, VEC>(u);
+  }
+}
+
+template <RowDots kDots, bool kUShared = false, typename scalar_t, int VEC, int VPT, int SU,
+          typename acc_t>
 __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][VPT],
                                          const Pack<scalar_t, VEC> (&dh)[VPT], const acc_t* u,
                                          int lane, int G, int D, acc_t (&sums)[2 * SU]) {
@@ -317,7 +416,7 @@ __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][V
     // Rows and dh are zero past D; u is not, and is not read there.
     if (kDots == RowDots::kDhOnly || c < D) {
       Pack<acc_t, VEC> uk;
-      if constexpr (kDots != RowDots::kDhOnly) uk = load_global<acc_t, VEC>(u + c);
+      if constexpr (kDots != RowDots::kDhOnly) uk = load_u<kUShared, acc_t, VEC>(u + c);
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
 #pragma unroll
@@ -373,7 +472,7 @@ __device__ __forceinline__ void forward_store_token(
       Row o;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o.x[e] = static_cast<scalar_t>(acc[k][e] * f);
-      store_global<scalar_t, VEC>(out_row + c, o);
+      store_global<scalar_t, VEC, true>(out_row + c, o);
     }
   }
   for (int i = pos.lane; i < pos.N; i += pos.G) {
@@ -557,7 +656,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetch;
     Row next[SU][VPT];
     if constexpr (kPrefetch) {
-      load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, 0, pos.N, t, pos.lane, pos.G, pos.D, next);
+      load_rows<scalar_t, VEC, VPT, SU, LoadHint::kStream>(p.table, p.overflow, 0, pos.N, t,
+                                                            pos.lane, pos.G, pos.D, next);
     }
     for (int i0 = 0; i0 < pos.N; i0 += SU) {
       Row rows[SU][VPT];
@@ -568,11 +668,12 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int k = 0; k < VPT; ++k) rows[j][k] = next[j][k];
         }
         if (i0 + SU < pos.N) {
-          load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0 + SU, pos.N, t, pos.lane, pos.G, pos.D,
-                                            next);
+          load_rows<scalar_t, VEC, VPT, SU, LoadHint::kStream>(
+              p.table, p.overflow, i0 + SU, pos.N, t, pos.lane, pos.G, pos.D, next);
         }
       } else {
-        load_rows<scalar_t, VEC, VPT, SU>(p.table, p.overflow, i0, pos.N, t, pos.lane, pos.G, pos.D, rows);
+        load_rows<scalar_t, VEC, VPT, SU, LoadHint::kStream>(p.table, p.overflow, i0, pos.N, t,
+                                                             pos.lane, pos.G, pos.D, rows);
       }
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];
@@ -624,9 +725,10 @@ __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch(const BackwardParams<s
   using Row = Pack<scalar_t, VEC>;
   const int c = (k * pos.G + pos.lane) * VEC;
   if (c >= pos.D) return zero_pack<scalar_t, VEC>();
-  if (p.stage) {
+  if (!backward_single_pass<scalar_t>() && p.stage) {
     ATTNRES_DYNAMIC_SMEM(dynamic_smem);
-    const Row* stage = reinterpret_cast<const Row*>(dynamic_smem) +
+    const Row* stage = reinterpret_cast<const Row*>(
+                           dynamic_smem + u_smem_bytes(pos.D, sizeof(at::opmath_type<scalar_t>))) +
                        static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
     return stage[(i * VPT + k) * pos.G + pos.lane];
   }
@@ -642,16 +744,54 @@ __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(const BackwardParam
   return load_global<scalar_t, VEC>(p.grad_out + t * p.grad_out_stride + c);
 }
 
+// Backward: rows i0 .. i0+SU-1 of token t (zeros past N and past D), from
+// this group's staging area (two-pass, staged) or from global memory.
+template <LoadHint kHint, int SU, typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_t>& p,
+                                                    const ThreadPlace& pos,
+                                                    const Pack<scalar_t, VEC>* stage, bool staged,
+                                                    int i0, int64_t t,
+                                                    Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
+#pragma unroll
+  for (int j = 0; j < SU; ++j) {
+    const int i = i0 + j;
+    if (i < pos.N) {
+      const scalar_t* row = staged ? nullptr : source_row<scalar_t>(p.table, p.overflow, i, t);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
+          rows[j][k] = staged ? stage[(i * VPT + k) * pos.G + pos.lane]
+                              : load_global<scalar_t, VEC, kHint>(row + c);
+        } else {
+          rows[j][k] = zero_pack<scalar_t, VEC>();
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
-// Backward. Per token:
-//   pass 1: sum_a_dp = sum_i a_i <dh, v_i>   (one reduction in total)
-//   pass 2: per source dp_i = <dh, v_i>, s_i = r_i <u, v_i> (reduced), then
-//           dv_i = a_i dh + alpha_i u + beta_i v_i, written once, and
-//           z += alpha_i v_i in registers.
-// v_i is needed in both passes. When the token's N rows fit the staging
-// budget they are copied once into shared memory (cp.async) and both passes
-// read them there; otherwise pass 2 reads them again from global memory, in
-// reverse order so the most recently read rows (likeliest in L2) go first.
+// Backward. Per token, sum_a_dp = sum_j a_j dp_j (dp_j = <dh, v_j> + gw_j):
+//  - single-pass (float32/float64, backward_single_pass): sum_a_dp =
+//    <dh, h> + sum_j a_j gw_j from the forward's h (docs/design.md §2), one
+//    reduction, before any source row is read; then
+//  - per source: dp_i = <dh, v_i>, s_i = r_i <u, v_i> (reduced), then
+//    dv_i = a_i dh + alpha_i u + beta_i v_i, written once from the row in
+//    registers, and z += alpha_i v_i in registers.
+// Each source row is read from global memory once.
+//  - two-pass (bfloat16/float16: their rounded h loses too many bits, §8):
+//    a first pass over the rows gives sum_a_dp from the saved weights, then
+//    the sweep above. v_i is needed in both passes. When the token's N rows
+//    fit the staging budget they are copied once into shared memory
+//    (cp.async) and both passes read them there; otherwise the sweep reads
+//    them again from global memory, in reverse order so the most recently
+//    read rows (likeliest in L2) go first.
+// The plain form dp_i - sum_a_dp is used (the CPU pivots when a weight
+// exceeds 1/2; here the pivot cost registers in the widest tiles, §8).
 // z: per-CTA partial rows, summed in a fixed order by a second kernel.
 template <typename scalar_t, int VEC, int VPT>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -663,15 +803,33 @@ __global__ void __launch_bounds__(kMaxThreads)
   // fp64 sources have no wider type on the device: no rare path there
   // (docs/design.md §8 states the limit).
   constexpr bool kHasRarePath = !std::is_same<Wide, acc_t>::value;
+  constexpr bool kSinglePass = backward_single_pass<scalar_t>();
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
   __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
   ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
   const ThreadPlace pos(p);
   int parity = 0;
-  // This group's staging area: entry (i, k) of this lane at [(i*VPT+k)*pos.G+lane].
-  Row* stage = reinterpret_cast<Row*>(dynamic_smem) +
+  // u, copied once per CTA into the front of the dynamic shared memory
+  // (float accumulation, u_in_shared): it is read for every row of every
+  // token (twice per row). fp64 reads it from global memory.
+  constexpr bool kUShared = u_in_shared(sizeof(acc_t));
+  const acc_t* u_s = p.u;
+  if constexpr (kUShared) {
+    acc_t* copy = reinterpret_cast<acc_t*>(dynamic_smem);
+    for (int d = static_cast<int>(threadIdx.x); d < pos.D; d += static_cast<int>(blockDim.x)) {
+      copy[d] = p.u[d];
+    }
+    __syncthreads();
+    u_s = copy;
+  }
+  // The staging area or the z sum follow u.
+  unsigned char* const after_u = dynamic_smem + u_smem_bytes(pos.D, sizeof(acc_t));
+  // Two-pass only: this group's staging area, entry (i, k) of this lane at
+  // [(i*VPT+k)*pos.G+lane].
+  Row* stage = reinterpret_cast<Row*>(after_u) +
                static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
+  const bool staged = !kSinglePass && p.stage;
 
   acc_t z[VPT][VEC];
 #pragma unroll
@@ -692,104 +850,122 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   };
   // Rows i0 .. i0+SU-1 of token t, from shared memory or global memory.
-  auto fetch_rows = [&](int i0, int64_t t, Row (&rows)[SU][VPT]) {
-#pragma unroll
-    for (int j = 0; j < SU; ++j) {
-      const int i = i0 + j;
-      if (i < pos.N) {
-        const scalar_t* row =
-            p.stage ? nullptr : source_row<scalar_t>(p.table, p.overflow, i, t);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int c = (k * pos.G + pos.lane) * VEC;
-          if (c < pos.D) {
-            rows[j][k] = p.stage ? stage[(i * VPT + k) * pos.G + pos.lane]
-                                 : load_global<scalar_t, VEC>(row + c);
-          } else {
-            rows[j][k] = zero_pack<scalar_t, VEC>();
-          }
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) rows[j][k] = zero_pack<scalar_t, VEC>();
-      }
-    }
-  };
+  // kStream on the kernel's last read of these rows (single pass: the only
+  // one; two-pass: the sweep), kKeep on the two-pass kernel's first read
+  // (the sweep takes them from L2).
+  constexpr LoadHint kFirst = LoadHint::kKeep;
+  constexpr LoadHint kLast = LoadHint::kStream;
 
   for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
     const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
     const bool active = t_wanted < pos.T;
     const int64_t t = active ? t_wanted : pos.T - 1;
 
-    if (sizeof(Row) == 16 && p.stage) {
-      // Only 16-byte packs are staged (the host enables staging only then).
-      // Each thread copies and later reads back only its own entries.
-      for (int i = 0; i < pos.N; ++i) {
-        const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
+    if constexpr (!kSinglePass) {
+      if (sizeof(Row) == 16 && staged) {
+        // Only 16-byte packs are staged (the host enables staging only then).
+        // Each thread copies and later reads back only its own entries.
+        for (int i = 0; i < pos.N; ++i) {
+          const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
 #pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int c = (k * pos.G + pos.lane) * VEC;
-          if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
+          for (int k = 0; k < VPT; ++k) {
+            const int c = (k * pos.G + pos.lane) * VEC;
+            if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
+          }
         }
       }
     }
+    // dh is read once into registers (the rare path re-reads it).
     Row dh[VPT];
     {
       const scalar_t* row = p.grad_out + t * p.grad_out_stride;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int c = (k * pos.G + pos.lane) * VEC;
-        dh[k] = c < pos.D ? load_global<scalar_t, VEC>(row + c)
-                      : zero_pack<scalar_t, VEC>();
+        dh[k] = c < pos.D ? load_global<scalar_t, VEC, LoadHint::kStream>(row + c)
+                          : zero_pack<scalar_t, VEC>();
       }
     }
-    if (p.stage) copy_async_commit_and_wait();
 
-    // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
-    // current one is used when registers allow (kPrefetch). (The CPU
-    // kernels use the pivoted form of depth_math.h when a weight dominates;
-    // here it cost registers in the widest tiles, so the plain form stays:
-    // docs/design.md §8.)
-    Row next[SU][VPT];
-    if constexpr (kPrefetch) fetch_rows(0, t, next);
     acc_t sum_a_dp[1] = {acc_t(0)};
-    for (int i0 = 0; i0 < pos.N; i0 += SU) {      Row rows[SU][VPT];
-      if constexpr (kPrefetch) {
-        copy_rows(rows, next);
-        if (i0 + SU < pos.N) fetch_rows(i0 + SU, t, next);
-      } else {
-        fetch_rows(i0, t, rows);
+    Row next[SU][VPT];
+    if constexpr (kSinglePass) {
+      // sum_j a_j dp_j = <dh, h> + sum_j a_j gw_j: this lane's part of
+      // <dh, h>, and of the weight-gradient sum (sources lane, lane+G, ...).
+      const scalar_t* h_row = p.out + t * p.out_stride;
+      if constexpr (kPrefetch) {  // in flight meanwhile
+        backward_fetch_rows<kLast, SU>(p, pos, stage, staged, 0, t, next);
       }
-      acc_t dots[2 * SU];
-      row_dots<RowDots::kDhOnly>(rows, dh, p.u, pos.lane, pos.G, pos.D, dots);
 #pragma unroll
-      for (int j = 0; j < SU; ++j) {
-        if (i0 + j < pos.N) {
-          // dots are this lane's partials (the all-reduce below sums the
-          // lanes): the weight gradient joins on lane 0 only.
-          const int64_t idx = static_cast<int64_t>(i0 + j) * pos.T + t;
-          const acc_t dp = dots[2 * j] + (pos.lane == 0 ? weight_grad(p, idx) : acc_t(0));
-          sum_a_dp[0] += p.weights[idx] * dp;
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
+          const Row hk = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            sum_a_dp[0] += static_cast<acc_t>(dh[k].x[e]) * static_cast<acc_t>(hk.x[e]);
+          }
+        }
+      }
+      if (p.grad_weights) {
+        for (int j = pos.lane; j < pos.N; j += pos.G) {
+          const int64_t idx = static_cast<int64_t>(j) * pos.T + t;
+          sum_a_dp[0] += p.weights[idx] * p.grad_weights[idx];
+        }
+      }
+    } else {
+      if (staged) copy_async_commit_and_wait();
+      // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
+      // current one is used when registers allow (kPrefetch).
+      if constexpr (kPrefetch) backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, 0, t, next);
+      for (int i0 = 0; i0 < pos.N; i0 += SU) {
+        Row rows[SU][VPT];
+        if constexpr (kPrefetch) {
+          copy_rows(rows, next);
+          if (i0 + SU < pos.N) {
+            backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, i0 + SU, t, next);
+          }
+        } else {
+          backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, i0, t, rows);
+        }
+        acc_t dots[2 * SU];
+        row_dots<RowDots::kDhOnly, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, dots);
+#pragma unroll
+        for (int j = 0; j < SU; ++j) {
+          if (i0 + j < pos.N) {
+            // dots are this lane's partials (the all-reduce below sums the
+            // lanes): the weight gradient joins on lane 0 only.
+            const int64_t idx = static_cast<int64_t>(i0 + j) * pos.T + t;
+            const acc_t dp = dots[2 * j] + (pos.lane == 0 ? weight_grad(p, idx) : acc_t(0));
+            sum_a_dp[0] += p.weights[idx] * dp;
+          }
         }
       }
     }
     group_allreduce<1>(sum_a_dp, pos.G, red, parity);
 
-    // Pass 2, last batch first.
+    // The sweep: batch b = step (single pass) or n_batches - 1 - step
+    // (two-pass: last batch first).
     bool rare = false;  // a row of this token is near the dtype's limits
     const int n_batches = (pos.N + SU - 1) / SU;
-    if constexpr (kPrefetch) fetch_rows((n_batches - 1) * SU, t, next);
-    for (int b = n_batches - 1; b >= 0; --b) {
-      const int i0 = b * SU;
+    const int first_batch = kSinglePass ? 0 : n_batches - 1;
+    const int batch_step = kSinglePass ? 1 : -1;
+    if constexpr (kPrefetch && !kSinglePass) {
+      backward_fetch_rows<kLast, SU>(p, pos, stage, staged, first_batch * SU, t, next);
+    }
+    for (int step = 0; step < n_batches; ++step) {
+      const int i0 = (first_batch + step * batch_step) * SU;
       Row rows[SU][VPT];
       if constexpr (kPrefetch) {
         copy_rows(rows, next);
-        if (b > 0) fetch_rows(i0 - SU, t, next);
+        if (step + 1 < n_batches) {
+          backward_fetch_rows<kLast, SU>(p, pos, stage, staged, i0 + batch_step * SU, t, next);
+        }
       } else {
-        fetch_rows(i0, t, rows);
+        backward_fetch_rows<kLast, SU>(p, pos, stage, staged, i0, t, rows);
       }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
-      row_dots<RowDots::kDhAndU>(rows, dh, p.u, pos.lane, pos.G, pos.D, sums);
+      row_dots<RowDots::kDhAndU, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, sums);
       group_allreduce<2 * SU>(sums, pos.G, red, parity);
 
 #pragma unroll
@@ -812,7 +988,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int k = 0; k < VPT; ++k) {
             const int c = (k * pos.G + pos.lane) * VEC;
             if (c < pos.D) {
-              const Acc u = load_global<acc_t, VEC>(p.u + c);
+              const Acc u = load_u<kUShared, acc_t, VEC>(u_s + c);
               Row o;
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
@@ -822,7 +998,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                     g.beta, v));
                 z[k][e] += g.alpha * v;
               }
-              if (out_row) store_global<scalar_t, VEC>(out_row + c, o);
+              if (out_row) store_global<scalar_t, VEC, true>(out_row + c, o);
             }
           }
         }
@@ -952,7 +1128,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     return;
   }
   __syncthreads();  // the staging area is reused for the sum
-  acc_t* z_sum = reinterpret_cast<acc_t*>(dynamic_smem);
+  acc_t* z_sum = reinterpret_cast<acc_t*>(after_u);
   for (int g = 0; g < p.tokens_per_cta; ++g) {
     if (pos.group == g) {
 #pragma unroll

@@ -61,6 +61,10 @@ struct BackwardParams {
   const acc_t* u;
   const scalar_t* grad_out;
   int64_t grad_out_stride;
+  // The forward's h (single-pass backward only: sum_j a_j dp_j = <dh, h> +
+  // sum_j a_j gw_j); null for the two-pass backward.
+  const scalar_t* out;
+  int64_t out_stride;
   const acc_t* rstd;          // [N, T]
   const acc_t* weights;       // [N, T]
   const acc_t* grad_weights;  // [N, T], or null: the weights had no gradient
@@ -72,8 +76,32 @@ struct BackwardParams {
   int D;
   int group;
   int tokens_per_cta;
-  bool stage;  // keep the token's rows in shared memory between the passes
+  bool stage;  // two-pass only: keep the token's rows in shared memory
+               // between the passes
 };
+
+// The backward's dynamic shared memory starts with a copy of u ([D] in
+// the accumulation dtype, loaded once per CTA: the grid is persistent and u
+// is read for every row of every token), rounded up to 16 bytes; the
+// staging area and the z sum follow it. Only for float accumulation (at
+// most 64 KiB at D = 16384, within every sm_80+ GPU's opt-in shared
+// memory): fp64 sources (a gradcheck dtype) read u from global memory, as
+// 128 KiB would not fit the 99 KiB of sm_86/sm_89 and fail to launch.
+constexpr bool u_in_shared(int64_t acc_size) { return acc_size == 4; }
+
+constexpr int64_t u_smem_bytes(int64_t D, int64_t acc_size) {
+  return u_in_shared(acc_size) ? (D * acc_size + 15) / 16 * 16 : 0;
+}
+
+// Whether the backward of this source dtype is single-pass (sum_j a_j dp_j
+// from the forward's h, each source row read once) or two-pass (from the
+// saved weights: bf16/fp16, whose rounded h loses too many bits,
+// docs/design.md §8). A property of the dtype, so it adds no kernel
+// instantiations.
+template <typename scalar_t>
+constexpr bool backward_single_pass() {
+  return sizeof(scalar_t) >= 4;
+}
 
 // The tile shapes (VEC elements per pack, VPT packs per thread) that are
 // compiled. VEC is 16 bytes' worth of elements (the vector path) or 1 (the

@@ -98,6 +98,23 @@ inline bool rows_aligned(const void* ptr, int64_t row_stride, int64_t T, int vec
   return T <= 1 || row_stride % vec == 0;
 }
 
+// Backward grid: kBackwardWaves times the CTAs the device holds at once, so
+// that when another stream's kernel (NCCL in DDP/FSDP) holds some SMs, the
+// CTAs that wait for them carry 1/kBackwardWaves of a resident CTA's share
+// of the tokens instead of all of it (a one-wave grid stretches the tail by
+// a whole CTA's work). Fewer waves when the z partial rows ([grid, D] in
+// the accumulation dtype, summed by a second kernel) would exceed
+// kPartialRowBytes; never under one wave. Depends only on the shape and the
+// device: the same partial rows, the same bits, every run.
+constexpr int64_t kBackwardWaves = 4;
+constexpr int64_t kPartialRowBytes = 32 << 20;
+
+inline int64_t backward_grid_cap(int64_t resident_ctas, int64_t D, int64_t acc_size) {
+  const int64_t wave_bytes = std::max<int64_t>(1, resident_ctas * D * acc_size);
+  const int64_t waves = std::clamp<int64_t>(kPartialRowBytes / wave_bytes, 1, kBackwardWaves);
+  return std::max<int64_t>(1, resident_ctas) * waves;
+}
+
 // Backward: whether a token's rows are staged in shared memory, how many
 // tokens a CTA then takes, and the dynamic shared memory of the CTA.
 struct BackwardPlan {
@@ -108,14 +125,17 @@ struct BackwardPlan {
 
 inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
                                   int natural, size_t acc_size,
-                                  int64_t smem_optin_bytes) {
+                                  int64_t smem_optin_bytes, bool single_pass) {
   BackwardPlan plan;
   // Staging copies 16-byte packs with cp.async; sub-warp groups must fill
-  // whole warps.
-  if (tile.vec == natural) {
+  // whole warps. The single-pass backward reads each row once: nothing to
+  // stage.
+  if (tile.vec == natural && !single_pass) {
     const int64_t per_token = N * tile.vpt * tile.group * 16;
     const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-    const int64_t budget = std::min<int64_t>(kStageBytesPerCta, smem_optin_bytes - 4096);
+    const int64_t budget = std::min<int64_t>(
+        kStageBytesPerCta,
+        smem_optin_bytes - 4096 - u_smem_bytes(D, static_cast<int64_t>(acc_size)));
     int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
     tokens -= tokens % min_tokens;
     if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
@@ -128,6 +148,8 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   if (tile.tokens_per_cta > 1) {
     plan.smem_bytes = std::max(plan.smem_bytes, static_cast<size_t>(D) * acc_size);
   }
+  // u comes first (u_smem_bytes).
+  plan.smem_bytes += static_cast<size_t>(u_smem_bytes(D, static_cast<int64_t>(acc_size)));
   plan.tile = tile;
   return plan;
 }

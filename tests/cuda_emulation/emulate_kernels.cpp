@@ -84,6 +84,9 @@ struct Case {
   double eps = 1e-6;
   bool nan_query = false;
   double dh_scale = 1.0;  // small dh keeps the query gradient representable
+  // The backward reads h (single pass) from a copy one element past an
+  // aligned address: the 16-byte path must then be refused.
+  bool misaligned_h = false;
 };
 
 // Relative error of the norms, both divided by max|want| first (values
@@ -175,11 +178,18 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
                 [&] { depth_attention_fwd_kernel<scalar_t, VEC, VPT>(fwd.params); });
   });
 
-  // Backward, from the forward's statistics (an H100/H200's opt-in shared
-  // memory per block).
-  const BackwardPlan plan = backward_plan<scalar_t>(layout, dh.data(), D, T, N, D, 227 * 1024);
+  // Backward, from the forward's h (single pass: float32/float64) and
+  // statistics (an H100/H200's opt-in shared memory per block).
+  std::vector<scalar_t> h_copy(c.misaligned_h ? T * D + 1 : 0);
+  const scalar_t* h = out.data();
+  if (c.misaligned_h) {
+    std::copy(out.begin(), out.end(), h_copy.begin() + 1);
+    h = h_copy.data() + 1;
+  }
+  const BackwardPlan plan =
+      backward_plan<scalar_t>(layout, dh.data(), D, h, D, T, N, D, 227 * 1024);
   auto bwd = backward_launch<scalar_t>(plan, layout, layout.overflow.data(), u.data(), dh.data(),
-                                       D, rstd.data(), weights.data(),
+                                       D, h, D, rstd.data(), weights.data(),
                                        c.weight_grads ? grad_w.data() : nullptr, T, N, D, c.grid_cap);
   const TileConfig& btile = bwd.config.tile;
   const int64_t bgrid = bwd.config.grid;
@@ -281,6 +291,10 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
   }
 
+  if (c.misaligned_h && backward_single_pass<scalar_t>()) {
+    // 16-byte loads of h would be misaligned: the plan must refuse them.
+    checks.push_back({"misaligned_h_on_16B_path", btile.vec == 1 ? 0.0 : 1.0, 0.0});
+  }
   if (c.nan_query) {
     // softmax of NaN scores is NaN: h, the weights and every gradient must
     // be NaN, never the sources passed through (N = 1 included).
@@ -316,12 +330,14 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
-  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
-              "bwd[vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
+  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
+              "bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
-              c.misaligned ? " misaligned" : "", range.c_str(), ftile.vec, ftile.vpt, ftile.group,
-              ftile.tokens_per_cta, fgrid, btile.vec, btile.vpt, btile.group,
-              btile.tokens_per_cta, long(bgrid), int(plan.stage),
+              c.misaligned ? " misaligned" : "", c.misaligned_h ? " misaligned_h" : "",
+              range.c_str(), ftile.vec, ftile.vpt, ftile.group,
+              ftile.tokens_per_cta, fgrid,
+              backward_single_pass<scalar_t>() ? "1-pass" : "2-pass", btile.vec, btile.vpt,
+              btile.group, btile.tokens_per_cta, long(bgrid), int(plan.stage),
               c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
   std::fflush(stdout);
   return ok;
@@ -345,14 +361,43 @@ int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
   std::mt19937_64 rng(12345);
   int failures = 0;
+  // The backward grid's waves (host planning, plan.h): 4 waves while the
+  // partial rows stay within kPartialRowBytes, fewer above, never under one.
+  {
+    struct GridCase {
+      int64_t resident, D, acc_size, want;
+    };
+    const GridCase grid_cases[] = {
+        {264, 4096, 4, 4 * 264},   // H200-like, bf16/fp32 D = 4096: 16.5 MiB of rows
+        {132, 16384, 4, 3 * 132},  // 4 waves would be 33 MiB
+        {132, 16384, 8, 1 * 132},  // fp64: 16.5 MiB a wave, still one wave
+        {1024, 16384, 8, 1024},    // beyond the budget in one wave: one wave
+        {0, 64, 4, 4},             // no occupancy information: at least one CTA
+    };
+    for (const auto& g : grid_cases) {
+      const int64_t got = backward_grid_cap(g.resident, g.D, g.acc_size);
+      const bool ok = got == g.want;
+      failures += ok ? 0 : 1;
+      std::printf("%s grid cap resident=%ld D=%ld acc=%ld -> %ld (want %ld)\n", ok ? "ok  " : "FAIL",
+                  long(g.resident), long(g.D), long(g.acc_size), long(got), long(g.want));
+    }
+  }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
     if (!only.empty() && only != dtype_name<scalar_t>()) return;
     for (const auto& c : cases) failures += run_case<scalar_t>(c, rng) ? 0 : 1;
   };
   //            N    T     D  +stride misaligned grid_cap
+  // h read from a misaligned copy: the single-pass backward (float32/64)
+  // must take the scalar path although the sources allow 16-byte packs.
+  auto misaligned_h = [](Case c) {
+    c.misaligned_h = true;
+    return c;
+  };
   run(double{}, {{3, 5, 5, 0, false, 2},         // scalar path, sub-warp groups
-                 {3, 5, 8, 0, false, 2},         // 16-byte path, staged backward
+                 {3, 5, 8, 0, false, 2},         // 16-byte path (single pass: no staging)
+                 {5, 9, 8, 0, false, 2, true, true},  // weight gradients, partial
+                 misaligned_h({3, 5, 8, 0, false, 2}),
                  {2, 3, 70, 0, false, 1},
                  {70, 3, 16, 0, false, 2},       // source table overflow
                  {2, 2, 1030, 0, false, 2}});    // block mode
@@ -369,7 +414,12 @@ int main(int argc, char** argv) {
                 {130, 3, 8, 0, false, 2},        // two overflow chunks
                 {7, 9, 64, 0, false, 2, true, false},   // gradient of the weights too
                 {3, 4, 2052, 0, false, 2, true, true},  // block mode, partial gradients
-                {70, 3, 16, 0, false, 2, false, true}});  // overflow, partial
+                {70, 3, 16, 0, false, 2, false, true},  // overflow, partial
+                // weight gradients summed over sources lane, lane+G, ... (G = 4 < N)
+                {70, 5, 16, 0, false, 2, true, false},
+                {5, 6, 1000, 0, false, 2, true, false},  // the same, a warp per token
+                misaligned_h({7, 9, 64, 0, false, 2}),
+                misaligned_h({3, 4, 2052, 0, false, 2, true, false})});
   run(c10::BFloat16{}, {{9, 20, 1000, 0, false, 2},  // staged, 3 tokens per CTA
                         {9, 20, 1024, 0, false, 3},
                         {65, 3, 1000, 0, false, 2}, // not staged

@@ -220,6 +220,7 @@ def test_more_than_2_31_elements():
     (3, (2048,), 64, torch.float32),      # several tokens per warp
     (65, (512,), 7186, torch.bfloat16),   # block per token, scalar path, no staging
     (5, (1000,), 4096, torch.float16),    # block per token, 16-byte path
+    (4, (16384,), 1024, torch.float32),   # single pass, a grid of several waves
 ])
 def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
@@ -231,6 +232,28 @@ def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     (g1, q1, w1), (g2, q2, w2) = runs
     assert torch.equal(q1, q2) and torch.equal(w1, w2)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_reads_h_only_in_single_pass(dtype):
+    """float32/float64 take sum_j a_j dp_j from the forward's h (single pass),
+    bfloat16/float16 from the saved weights (two passes): a changed h changes
+    only the former's gradients. A misaligned h (16-byte loads impossible:
+    the scalar path) gives the same gradients within the tolerance."""
+    sources, query, norm_weight, grad_out = make_problem(5, (33,), 64, dtype)
+    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    base = backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)
+    bumped = backward_op(grad_out, sources, query, norm_weight, h * 2 + 1, rstd, weights, 1.0)
+    single_pass = dtype in (torch.float32, torch.float64)
+    assert (not torch.equal(base[0][0], bumped[0][0])) == single_pass
+    assert (not torch.equal(base[1], bumped[1])) == single_pass
+    buf = torch.empty(h.numel() + 1, dtype=dtype, device=h.device)
+    misaligned = buf[1:].view_as(h)
+    misaligned.copy_(h)
+    got = backward_op(grad_out, sources, query, norm_weight, misaligned, rstd, weights, 1.0)
+    for a, b in zip(got[0], base[0]):
+        assert_rel_close(a, b, REL_TOL[dtype], "source gradient with a misaligned h")
+    assert_rel_close(got[1], base[1], REL_TOL[dtype], "query gradient with a misaligned h")
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
