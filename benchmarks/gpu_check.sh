@@ -255,18 +255,22 @@ dev = "cuda"
 cases = [  # dtype, N, T, D, layout
     (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, single-pass backward
     (torch.float32, 5, 9, 1000, "contiguous"),   # warp per token
-    (torch.float32, 3, 5, 2052, "contiguous"),   # block mode, 2 tokens per CTA
+    (torch.float32, 3, 5, 2052, "contiguous"),   # block mode (G > 32)
     (torch.float32, 2, 3, 16384, "contiguous"),  # widest rows
     (torch.float32, 3, 7, 100, "strided"),       # scalar path (odd row stride)
     (torch.float32, 3, 7, 64, "misaligned"),
     (torch.float32, 70, 5, 16, "contiguous"),    # > 64 sources: overflow table
-    (torch.float32, 2, 1024, 1024, "contiguous"),  # backward grid of several waves
     (torch.bfloat16, 9, 20, 1024, "contiguous"), # staged, several tokens per CTA
     (torch.bfloat16, 65, 3, 1000, "contiguous"), # not staged
     (torch.bfloat16, 3, 5, 7186, "contiguous"),  # scalar path, block mode
     (torch.float16, 17, 6, 64, "contiguous"),     # two-pass, staged, sub-warp groups
     (torch.float64, 3, 5, 70, "contiguous"),
     (torch.float64, 2, 3, 1030, "contiguous"),    # single pass, 16-byte packs, block mode
+    # last (the slowest under racecheck: its first source takes the rare
+    # paths on 1024 tokens): many token blocks. On an H200 the 4-wave grid
+    # still covers them in one pass; the token loop of a CTA (u reused,
+    # z summed after it) is checked by the CUDA emulation (grid cap 2).
+    (torch.float32, 2, 1024, 1024, "contiguous"),
 ]
 for dtype, n, t, d, layout in cases:
     g = torch.Generator(device="cpu").manual_seed(n * d)
@@ -301,7 +305,7 @@ PY
     case $rc in
       0) outcome=ok ;;
       99) outcome="FAILED (errors reported; see sanitize_$tool.log)"; status=failed ;;
-      124) outcome="TIMED OUT after ${each} s ($(grep -c '^ran' "$RESULTS/sanitize_$tool.out") shapes done)" ;;
+      124) outcome="INCOMPLETE: timed out after ${each} s with $(grep -c '^ran' "$RESULTS/sanitize_$tool.out") shapes done (the rest unchecked)"; status=failed ;;
       *) outcome="rc=$rc (see sanitize_$tool.out)"; status=failed ;;
     esac
     echo "compute-sanitizer $tool: $outcome" | tee -a "$summary"

@@ -109,7 +109,6 @@ void forward(const ForwardCall& call) {
 void backward(const BackwardCall& call) {
   const DepthProblem& p = call.problem;
   const Rows dh = as_rows(call.grad_out);
-  const Rows h = as_rows(call.out);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -118,14 +117,18 @@ void backward(const BackwardCall& call) {
         const DeviceSources src(call.sources, &call.grad_sources, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
         const scalar_t* grad_out = dh.tensor.const_data_ptr<scalar_t>();
-        const scalar_t* out = h.tensor.const_data_ptr<scalar_t>();
+        // h only where it is read (as rows: a layout that does not collapse
+        // into rows is copied, which the two-pass kernel need not pay).
+        const Rows h = backward_single_pass<scalar_t>() ? as_rows(call.out) : Rows{};
+        const scalar_t* out =
+            h.tensor.defined() ? h.tensor.const_data_ptr<scalar_t>() : nullptr;
         const BackwardPlan plan = backward_plan<scalar_t>(
             src.layout, grad_out, dh.row_stride, out, h.row_stride, p.T, p.N, p.D,
             static_cast<int64_t>(props->sharedMemPerBlockOptin));
         // A grid of a few waves of the CTAs the device holds at once
         // (backward_grid_cap): each CTA loops over tokens and keeps its share
         // of z in registers, so the partial rows stay few. It depends only on
-        // the shape and the device: same bits every run.
+        // the shape, the device and the tile: same bits every run.
         const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes);
         TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
                     plan.tile.group * plan.tile.tokens_per_cta, " threads and ",

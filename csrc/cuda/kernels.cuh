@@ -812,7 +812,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   int parity = 0;
   // u, copied once per CTA into the front of the dynamic shared memory
   // (float accumulation, u_in_shared): it is read for every row of every
-  // token (twice per row). fp64 reads it from global memory.
+  // token (twice per row in the single pass: <u, v_i> and dv_i). fp64 reads
+  // it from global memory.
   constexpr bool kUShared = u_in_shared(sizeof(acc_t));
   const acc_t* u_s = p.u;
   if constexpr (kUShared) {

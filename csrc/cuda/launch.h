@@ -81,8 +81,9 @@ struct BackwardParams {
 };
 
 // The backward's dynamic shared memory starts with a copy of u ([D] in
-// the accumulation dtype, loaded once per CTA: the grid is persistent and u
-// is read for every row of every token), rounded up to 16 bytes; the
+// the accumulation dtype, loaded once per CTA: each CTA loops over tokens
+// (a grid of a few waves) and u is read for every row of every token),
+// rounded up to 16 bytes; the
 // staging area and the z sum follow it. Only for float accumulation (at
 // most 64 KiB at D = 16384, within every sm_80+ GPU's opt-in shared
 // memory): fp64 sources (a gradcheck dtype) read u from global memory, as

@@ -104,8 +104,9 @@ inline bool rows_aligned(const void* ptr, int64_t row_stride, int64_t T, int vec
 // of the tokens instead of all of it (a one-wave grid stretches the tail by
 // a whole CTA's work). Fewer waves when the z partial rows ([grid, D] in
 // the accumulation dtype, summed by a second kernel) would exceed
-// kPartialRowBytes; never under one wave. Depends only on the shape and the
-// device: the same partial rows, the same bits, every run.
+// kPartialRowBytes; never under one wave. Depends only on the shape, the
+// device and the tile (chosen by the rows' alignment): the same partial
+// rows, the same bits, every run.
 constexpr int64_t kBackwardWaves = 4;
 constexpr int64_t kPartialRowBytes = 32 << 20;
 
@@ -150,6 +151,14 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   }
   // u comes first (u_smem_bytes).
   plan.smem_bytes += static_cast<size_t>(u_smem_bytes(D, static_cast<int64_t>(acc_size)));
+  // Every sm_80+ GPU has at least 99 KiB of opt-in shared memory, enough for
+  // any D the kernels take; older GPUs (built with an older
+  // TORCH_CUDA_ARCH_LIST) may not: say so instead of failing the launch.
+  // The static reduction buffer (kernels.cuh) takes the 4096 bytes kept back.
+  TORCH_CHECK(static_cast<int64_t>(plan.smem_bytes) + 4096 <= smem_optin_bytes,
+              "attnres: the CUDA backward at D = ", D, " needs ", plan.smem_bytes + 4096,
+              " bytes of shared memory per block, more than this GPU's opt-in limit of ",
+              smem_optin_bytes, " bytes; the CUDA kernels are designed for sm_80 or newer");
   plan.tile = tile;
   return plan;
 }

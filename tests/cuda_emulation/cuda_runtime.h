@@ -7,11 +7,13 @@
 // kernel source with real thread/lane indices, reductions and barriers.
 #pragma once
 
+#include <algorithm>
 #include <barrier>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -101,10 +103,17 @@ namespace emu {
 inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
                    const std::function<void()>& kernel_body) {
   if (threads % 32 != 0) throw std::runtime_error("emulated launch: block size must be whole warps");
-  dynamic_smem_buffer.assign(smem_bytes + 16, 0xCD);  // garbage, as on a GPU
+  // Garbage (as on a GPU) refilled for every block, so a block cannot find
+  // what the previous one left (on a GPU blocks run concurrently, each with
+  // its own shared memory), then a canary right after the requested size:
+  // an overrun of the dynamic shared memory fails the launch.
+  constexpr size_t kCanary = 64;
   gridDim.x = grid;
   blockDim.x = threads;
   for (unsigned b = 0; b < grid; ++b) {
+    dynamic_smem_buffer.assign(smem_bytes + kCanary, 0xCD);
+    std::fill(dynamic_smem_buffer.begin() + static_cast<std::ptrdiff_t>(smem_bytes),
+              dynamic_smem_buffer.end(), static_cast<unsigned char>(0xAB));
     blockIdx.x = b;
     BlockState state;
     state.block_barrier = std::make_unique<std::barrier<>>(threads);
@@ -123,6 +132,11 @@ inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
     }
     for (auto& th : pool) th.join();
     block_state = nullptr;
+    for (size_t i = smem_bytes; i < dynamic_smem_buffer.size(); ++i) {
+      if (dynamic_smem_buffer[i] != 0xAB) {
+        throw std::runtime_error("emulated launch: a block wrote past its dynamic shared memory");
+      }
+    }
   }
 }
 

@@ -87,6 +87,9 @@ struct Case {
   // The backward reads h (single pass) from a copy one element past an
   // aligned address: the 16-byte path must then be refused.
   bool misaligned_h = false;
+  // h with rows D + h_extra_stride apart (padding NaN: a kernel that used D
+  // instead of the row stride would read it).
+  int h_extra_stride = 0;
 };
 
 // Relative error of the norms, both divided by max|want| first (values
@@ -180,16 +183,21 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
 
   // Backward, from the forward's h (single pass: float32/float64) and
   // statistics (an H100/H200's opt-in shared memory per block).
-  std::vector<scalar_t> h_copy(c.misaligned_h ? T * D + 1 : 0);
+  const int64_t h_stride = D + c.h_extra_stride;
+  std::vector<scalar_t> h_copy;
   const scalar_t* h = out.data();
-  if (c.misaligned_h) {
-    std::copy(out.begin(), out.end(), h_copy.begin() + 1);
-    h = h_copy.data() + 1;
+  if (c.misaligned_h || c.h_extra_stride != 0) {
+    const int64_t first = c.misaligned_h ? 1 : 0;
+    h_copy.assign(first + T * h_stride, static_cast<scalar_t>(NAN));
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy_n(out.begin() + t * D, D, h_copy.begin() + first + t * h_stride);
+    }
+    h = h_copy.data() + first;
   }
   const BackwardPlan plan =
-      backward_plan<scalar_t>(layout, dh.data(), D, h, D, T, N, D, 227 * 1024);
+      backward_plan<scalar_t>(layout, dh.data(), D, h, h_stride, T, N, D, 227 * 1024);
   auto bwd = backward_launch<scalar_t>(plan, layout, layout.overflow.data(), u.data(), dh.data(),
-                                       D, h, D, rstd.data(), weights.data(),
+                                       D, h, h_stride, rstd.data(), weights.data(),
                                        c.weight_grads ? grad_w.data() : nullptr, T, N, D, c.grid_cap);
   const TileConfig& btile = bwd.config.tile;
   const int64_t bgrid = bwd.config.grid;
@@ -291,6 +299,13 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
   }
 
+  if (c.h_extra_stride != 0 && backward_single_pass<scalar_t>()) {
+    // A row stride of h that is not a multiple of the pack refuses the
+    // 16-byte path; one that is keeps it (D permitting).
+    const bool pack_stride = (D + c.h_extra_stride) % natural_vec<scalar_t>() == 0;
+    const bool want_vec = pack_stride && D % natural_vec<scalar_t>() == 0;
+    checks.push_back({"padded_h_path", (btile.vec != 1) == want_vec ? 0.0 : 1.0, 0.0});
+  }
   if (c.misaligned_h && backward_single_pass<scalar_t>()) {
     // 16-byte loads of h would be misaligned: the plan must refuse them.
     checks.push_back({"misaligned_h_on_16B_path", btile.vec == 1 ? 0.0 : 1.0, 0.0});
@@ -330,6 +345,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
+  if (c.h_extra_stride != 0) range += " h_stride=" + std::to_string(D + c.h_extra_stride);
   std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
               "bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
@@ -390,6 +406,10 @@ int main(int argc, char** argv) {
   //            N    T     D  +stride misaligned grid_cap
   // h read from a misaligned copy: the single-pass backward (float32/64)
   // must take the scalar path although the sources allow 16-byte packs.
+  auto padded_h = [](Case c, int extra) {
+    c.h_extra_stride = extra;
+    return c;
+  };
   auto misaligned_h = [](Case c) {
     c.misaligned_h = true;
     return c;
@@ -406,7 +426,7 @@ int main(int argc, char** argv) {
                 {3, 70, 64, 0, false, 2},        // 5 token blocks on 2 CTAs
                 {2, 400, 64, 0, false, 20},      // 20 partial rows to sum
                 {5, 6, 1000, 0, false, 2},       // warp per token, 8 packs per lane
-                {3, 4, 2052, 0, false, 2},       // block mode, 2 tokens per CTA
+                {3, 4, 2052, 0, false, 2},       // block mode (G > 32)
                 {2, 3, 16384, 0, false, 2},      // the widest rows
                 {3, 4, 100, 1, false, 2},        // odd row stride: scalar path
                 {3, 4, 64, 64, false, 2},        // strided rows, 16-byte path
@@ -419,7 +439,9 @@ int main(int argc, char** argv) {
                 {70, 5, 16, 0, false, 2, true, false},
                 {5, 6, 1000, 0, false, 2, true, false},  // the same, a warp per token
                 misaligned_h({7, 9, 64, 0, false, 2}),
-                misaligned_h({3, 4, 2052, 0, false, 2, true, false})});
+                misaligned_h({3, 4, 2052, 0, false, 2, true, false}),
+                padded_h({7, 9, 64, 0, false, 2}, 4),     // h rows 68 apart: 16-byte path
+                padded_h({5, 6, 1000, 0, false, 2}, 3)});  // odd h stride: scalar path
   run(c10::BFloat16{}, {{9, 20, 1000, 0, false, 2},  // staged, 3 tokens per CTA
                         {9, 20, 1024, 0, false, 3},
                         {65, 3, 1000, 0, false, 2}, // not staged
