@@ -1,7 +1,8 @@
 // CPU kernels of the two-phase Block reads (docs/design.md §10): phase 1
-// reads each completed source row once per token for all S readers of a
-// block; phase 2 merges one reader's partial state with the partial block
-// sum. Built with the vector ISA flags (CMakeLists.txt); the per-token math
+// reads each completed source row from memory once per token for all S
+// readers of a block (a score sweep, then a weighted-sum sweep of the
+// token's rows from L2); phase 2 merges one reader's partial state with the
+// partial block sum. Built with the vector ISA flags (CMakeLists.txt); the per-token math
 // (OnlineSoftmax, scores, gradient coefficients, range rescue) is
 // attnres/depth_math.h, the same as the one-call kernels'. Tokens run in
 // parallel with at::parallel_for; all accumulation is in fp32 (fp64 for
@@ -124,63 +125,54 @@ void row_many_dots(const scalar_t* v, const acc_t* const* y, int64_t count, int6
   }
 }
 
-// acc_g = acc_g * keep_g + take_g * v for G accumulators in one sweep
-// (kFirst: acc_g = take_g * v, the accumulators are not read).
-template <int G, bool kFirst, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_accumulate(acc_t* const* acc, const acc_t* keep, const acc_t* take, const scalar_t* v,
-                    int64_t D) {
+// out_g = sum_i w[g * N + i] * v_i for G readers in one sweep over the N
+// rows of a token (from L2: the score sweep has just read them), the G
+// accumulators in registers and each output row written once. The weights
+// are the final softmax weights (sum 1), so no accumulator exceeds the
+// largest |v| (the point of the normalized online form, docs/design.md §8)
+// and no per-source rescaling is needed.
+template <int G, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const acc_t* w,
+                       int64_t N, int64_t D) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
-    AVec vv[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int64_t o = j + k * AVec::size();
+    AVec acc[G][L::kParts];
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < L::kParts; ++k) acc[g][k] = AVec(acc_t(0));
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      AVec vv[L::kParts];
+      L::load(rows[i] + j, vv);
       for (int g = 0; g < G; ++g) {
-        if constexpr (kFirst) {
-          (AVec(take[g]) * vv[k]).store(acc[g] + o);
-        } else {
-          math::online_accumulate(AVec::loadu(acc[g] + o), AVec(keep[g]), AVec(take[g]), vv[k])
-              .store(acc[g] + o);
-        }
+        const AVec wv(w[g * N + i]);
+        for (int k = 0; k < L::kParts; ++k) acc[g][k] = at::vec::fmadd(wv, vv[k], acc[g][k]);
       }
     }
+    for (int g = 0; g < G; ++g) L::store(out[g] + j, acc[g]);
   }
   for (; j < D; ++j) {
-    const acc_t vj = static_cast<acc_t>(v[j]);
     for (int g = 0; g < G; ++g) {
-      acc[g][j] = kFirst ? take[g] * vj : math::online_accumulate(acc[g][j], keep[g], take[g], vj);
+      acc_t a = 0;
+      for (int64_t i = 0; i < N; ++i) a += w[g * N + i] * static_cast<acc_t>(rows[i][j]);
+      out[g][j] = static_cast<scalar_t>(a);
     }
   }
 }
 
-template <bool kFirst, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_accumulate_many(acc_t* const* acc, const acc_t* keep, const acc_t* take,
-                         const scalar_t* v, int64_t count, int64_t D) {
-  for (int64_t g0 = 0; g0 < count; g0 += kGroup) {
-    switch (std::min<int64_t>(kGroup, count - g0)) {
-      case 1: row_accumulate<1, kFirst>(acc + g0, keep + g0, take + g0, v, D); break;
-      case 2: row_accumulate<2, kFirst>(acc + g0, keep + g0, take + g0, v, D); break;
-      case 3: row_accumulate<3, kFirst>(acc + g0, keep + g0, take + g0, v, D); break;
-      default: row_accumulate<4, kFirst>(acc + g0, keep + g0, take + g0, v, D); break;
-    }
-  }
-}
-
-// out = acc * factor in scalar_t.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_scale_store(scalar_t* out, const acc_t* acc, acc_t factor, int64_t D) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  const AVec f(factor);
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec o[L::kParts];
-    for (int k = 0; k < L::kParts; ++k) o[k] = AVec::loadu(acc + j + k * AVec::size()) * f;
-    L::store(out + j, o);
+void rows_weighted_sum_many(scalar_t* const* out, const scalar_t* const* rows, const acc_t* w,
+                            int64_t count, int64_t N, int64_t D) {
+  for (int64_t g0 = 0; g0 < count; g0 += kGroup) {
+    const acc_t* wg = w + g0 * N;
+    switch (std::min<int64_t>(kGroup, count - g0)) {
+      case 1: rows_weighted_sum<1>(out + g0, rows, wg, N, D); break;
+      case 2: rows_weighted_sum<2>(out + g0, rows, wg, N, D); break;
+      case 3: rows_weighted_sum<3>(out + g0, rows, wg, N, D); break;
+      default: rows_weighted_sum<4>(out + g0, rows, wg, N, D); break;
+    }
   }
-  for (; j < D; ++j) out[j] = static_cast<scalar_t>(acc[j] * factor);
 }
 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
@@ -274,39 +266,35 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   acc_t* w_p = call.weights.data_ptr<acc_t>();
 
   at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<acc_t> acc(S * D), scores(S * N), keep(S), take(S), sc(S);
-    std::vector<acc_t*> acc_rows(S);
-    for (int64_t s = 0; s < S; ++s) acc_rows[s] = acc.data() + s * D;
-    std::vector<math::OnlineSoftmax<acc_t>> softmax(S);
+    std::vector<acc_t> scores(S * N), sc(S), w(S * N);
+    std::vector<const scalar_t*> rows(N);
+    std::vector<scalar_t*> out_rows(S);
     for (int64_t t = t_begin; t < t_end; ++t) {
+      // Sweep 1, from memory: rstd_i and every reader's score s_{s,i}.
       for (int64_t i = 0; i < N; ++i) {
-        const scalar_t* v = src[i].row(t);
+        rows[i] = src[i].row(t);
         acc_t r;
-        row_stats_many(v, u_rows.data(), S, D, eps, r, sc.data());
+        row_stats_many(rows[i], u_rows.data(), S, D, eps, r, sc.data());
         rstd_p[i * T + t] = r;
-        for (int64_t s = 0; s < S; ++s) {
-          scores[s * N + i] = sc[s];
-          if (i == 0) {
-            softmax[s].init(sc[s]);
-            take[s] = acc_t(1);
-          } else {
-            softmax[s].push(sc[s], keep[s], take[s]);
-          }
-        }
-        // The row is in L1 after the dot products: every reader's
-        // normalized accumulator takes it now.
-        if (i == 0) {
-          row_accumulate_many<true>(acc_rows.data(), keep.data(), take.data(), v, S, D);
-        } else {
-          row_accumulate_many<false>(acc_rows.data(), keep.data(), take.data(), v, S, D);
-        }
+        for (int64_t s = 0; s < S; ++s) scores[s * N + i] = sc[s];
       }
+      // Per reader: the OnlineSoftmax state over the N scores, its lse and
+      // weights (a NaN score poisons them all, as in the one-call read).
       for (int64_t s = 0; s < S; ++s) {
-        const auto& st = softmax[s];
+        math::OnlineSoftmax<acc_t> st;
+        st.init(scores[s * N]);
+        acc_t keep, take;
+        for (int64_t i = 1; i < N; ++i) st.push(scores[s * N + i], keep, take);
         lse_p[s * T + t] = st.log_sum_exp();
-        for (int64_t i = 0; i < N; ++i) w_p[(s * N + i) * T + t] = st.weight(scores[s * N + i]);
-        row_scale_store(out_p[s] + t * D, acc_rows[s], st.out_factor(), D);
+        const acc_t nan_if_poisoned = st.out_factor();
+        for (int64_t i = 0; i < N; ++i) {
+          w[s * N + i] = st.weight(scores[s * N + i]) * nan_if_poisoned;
+          w_p[(s * N + i) * T + t] = w[s * N + i];
+        }
+        out_rows[s] = out_p[s] + t * D;
       }
+      // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
+      rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
     }
   });
 }

@@ -407,3 +407,36 @@ def test_compiled_block_gpt_two_phase_matches_one_call(monkeypatch):
     assert torch.allclose(loss, want_loss, rtol=1e-5)
     for name in want:
         assert_rel_close(got[name], want[name], 1e-4, name)
+
+
+def test_nan_poisons_only_its_token():
+    sources, block_sum, queries, gains = problem(3, 2, (5,), 16, torch.float32, seed=9)
+    sources[1] = sources[1].clone()
+    sources[1][2, 3] = float("nan")
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    for y in partial_outs:
+        assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+    assert torch.isnan(lse[:, 2]).all()
+    block_sum = block_sum.clone()
+    block_sum[4, 0] = float("nan")
+    clean = [x.clone() for x in sources]
+    clean[1][2, 3] = 0.0
+    clean_outs, clean_lse = attnres.block_reads(clean, queries, gains)
+    h = attnres.block_read_merge(clean_outs[1], clean_lse[1], block_sum, queries[1], gains[1])
+    assert torch.isnan(h[4]).all() and torch.isfinite(h[:4]).all()
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30])
+def test_rows_near_the_float32_limits_are_rescued(magnitude):
+    # Sums of squares over/underflow float32: the forward's rescaled path
+    # (depth_math.h) must give the float64 result.
+    sources, block_sum, queries, gains = problem(3, 2, (4,), 64, torch.float32, seed=10)
+    sources = [x * magnitude for x in sources]
+    block_sum = block_sum * magnitude
+    partial_outs, lse = attnres.block_reads(sources, queries, gains, eps=0.0)
+    for r in range(2):
+        h_ref, _ = ref_read(sources, queries[r], gains[r], eps=0.0)
+        assert_rel_close(partial_outs[r], h_ref, REL_TOL[torch.float32], "partial")
+    h = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1], eps=0.0)
+    h_ref, _ = ref_read([*sources, block_sum], queries[1], gains[1], eps=0.0)
+    assert_rel_close(h, h_ref, REL_TOL[torch.float32], "merged")
