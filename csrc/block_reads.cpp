@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
 #include <string>
@@ -222,6 +223,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(
     cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
   }
   return {out, rstd, weight};
+}
+
+void block_read_merge_inplace_cpu(const at::Tensor& partial_out, const at::Tensor& lse,
+                                  const at::Tensor& block_sum, const at::Tensor& query,
+                                  const std::optional<at::Tensor>& norm_weight, double eps,
+                                  double scale) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
+                    "partial_out must be contiguous for block_read_merge_inplace (h is written "
+                    "into it)");
+  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
+                    "partial_out and block_sum must be different tensors");
+  check_cpu_capability();
+  if (p.T == 0) return;
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  const at::Tensor lse_c = lse.contiguous();
+  // Each step of the kernel reads y's and P's elements before it stores h's
+  // at the same place, so h may overwrite y.
+  at::Tensor out = partial_out;
+  cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_cpu(
@@ -497,6 +521,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_autograd(
   return {out[0], out[1], out[2]};
 }
 
+void block_read_merge_inplace_autograd(const at::Tensor& partial_out, const at::Tensor& lse,
+                                       const at::Tensor& block_sum, const at::Tensor& query,
+                                       const std::optional<at::Tensor>& norm_weight, double eps,
+                                       double scale) {
+  const bool wants_grad =
+      at::GradMode::is_enabled() &&
+      (partial_out.requires_grad() || lse.requires_grad() || block_sum.requires_grad() ||
+       query.requires_grad() || (is_defined(norm_weight) && norm_weight->requires_grad()));
+  TORCH_CHECK(!wants_grad,
+              "attnres::block_read_merge_inplace has no derivative (it overwrites the partial "
+              "output its backward would need); use block_read_merge_fwd when gradients are "
+              "wanted");
+  call_below_autograd<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const std::optional<at::Tensor>&, double, double)>(
+      "attnres::block_read_merge_inplace", partial_out, lse, block_sum, query, norm_weight, eps,
+      scale);
+  torch::autograd::increment_version(partial_out);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_autograd(
     const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
     const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
@@ -516,6 +559,7 @@ TORCH_LIBRARY_IMPL(attnres, CPU, m) {
   m.impl("block_reads_bwd", &block_reads_bwd_cpu);
   m.impl("block_read_merge_fwd", &block_read_merge_fwd_cpu);
   m.impl("block_read_merge_bwd", &block_read_merge_bwd_cpu);
+  m.impl("block_read_merge_inplace", &block_read_merge_inplace_cpu);
 }
 
 TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
@@ -543,6 +587,11 @@ TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
              -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
            no_cuda_kernel("block_read_merge_bwd");
          });
+  m.impl("block_read_merge_inplace",
+         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const std::optional<at::Tensor>&, double, double) {
+           no_cuda_kernel("block_read_merge_inplace");
+         });
 }
 
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) {
@@ -550,6 +599,7 @@ TORCH_LIBRARY_IMPL(attnres, Autograd, m) {
   m.impl("block_reads_bwd", &block_reads_bwd_autograd);
   m.impl("block_read_merge_fwd", &block_read_merge_fwd_autograd);
   m.impl("block_read_merge_bwd", &block_read_merge_bwd_autograd);
+  m.impl("block_read_merge_inplace", &block_read_merge_inplace_autograd);
 }
 
 // ---- C++ API ---------------------------------------------------------------------
@@ -595,6 +645,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
                        .typed<MergeBwdSig>();
   return op.call(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight, scale,
                  output_mask);
+}
+
+void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                              const at::Tensor& block_sum, const at::Tensor& query,
+                              const std::optional<at::Tensor>& norm_weight, double eps,
+                              double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_read_merge_inplace", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const std::optional<at::Tensor>&, double,
+                                   double)>();
+  op.call(partial_out, lse, block_sum, query, norm_weight, eps, scale);
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads(

@@ -169,11 +169,20 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   const auto it = state.entries.find(num_completed);
   if (it == state.entries.end() || !it->second.last_completed.is_same(completed_.back()) ||
       pos >= static_cast<int64_t>(it->second.readers.size()) ||
-      it->second.readers[pos] != &reader) {
+      it->second.readers[pos] != &reader || !it->second.partials[pos].defined()) {
     return reader.read_one_call(*this);
   }
-  return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
-                          gain, reader.options.eps());
+  if (at::GradMode::is_enabled()) {
+    return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
+                            gain, reader.options.eps());
+  }
+  // Inference: h overwrites the partial output it consumes (no new output
+  // allocated); a second read at this position reads one-call.
+  at::Tensor h = std::move(it->second.partials[pos]);
+  it->second.partials[pos] = at::Tensor();
+  block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                           reader.options.eps());
+  return h;
 }
 
 at::Tensor DepthStream::checked_output(const at::Tensor& f) const {

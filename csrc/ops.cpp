@@ -61,6 +61,13 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor weight, float scale, bool[] output_mask) -> "
       "(Tensor grad_partial_out, Tensor grad_lse, Tensor grad_block_sum, "
       "Tensor grad_query, Tensor grad_norm_weight)");
+  // Phase 2 without autograd (inference): h overwrites partial_out, the
+  // reader's phase-1 output that this read consumes, so the read allocates
+  // no new output (docs/design.md §10). Raises when a gradient is wanted.
+  m.def(
+      "block_read_merge_inplace(Tensor(a!) partial_out, Tensor lse, "
+      "Tensor block_sum, Tensor query, Tensor? norm_weight, float eps, "
+      "float scale) -> ()");
 }
 
 namespace attnres {

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .ops import block_read_merge, block_reads, depth_attention
+from .ops import block_read_merge, block_read_merge_inplace, block_reads, depth_attention
 
 _BLOCK_READS = ("auto", "two_phase", "one_call")
 # "auto" uses two-phase reads for a block from this many completed sources on:
@@ -223,10 +223,17 @@ class DepthStream:
             return partials[0]
         entry = state.entries.get(num_completed)
         if (entry is None or entry[0] is not self._completed[-1] or pos >= len(entry[1])
-                or entry[1][pos] is not reader):
+                or entry[1][pos] is not reader or entry[2][pos] is None):
             return reader._one_call(self.sources)
-        return block_read_merge(entry[2][pos], entry[3][pos], self._partial, reader.query,
-                                reader.norm_weight, eps=reader.eps)
+        if torch.is_grad_enabled():
+            return block_read_merge(entry[2][pos], entry[3][pos], self._partial, reader.query,
+                                    reader.norm_weight, eps=reader.eps)
+        # Inference: h overwrites the partial output it consumes (no new
+        # output allocated); a second read at this position reads one-call.
+        partial = entry[2][pos]
+        entry[2][pos] = None
+        return block_read_merge_inplace(partial, entry[3][pos], self._partial, reader.query,
+                                        reader.norm_weight, eps=reader.eps)
 
     def _checked_output(self, f) -> torch.Tensor:
         if not isinstance(f, torch.Tensor):

@@ -419,6 +419,29 @@ def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_wei
     )
 
 
+@torch.library.register_fake("attnres::block_read_merge_inplace")
+def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale):
+    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
+    if not partial_out.is_contiguous():
+        raise ValueError(
+            "partial_out must be contiguous for block_read_merge_inplace (h is written into it)"
+        )
+    return None
+
+
+def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
+                             block_sum: torch.Tensor, query: torch.Tensor,
+                             norm_weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
+                             scale: float = 1.0) -> torch.Tensor:
+    """Phase 2 without autograd (inference, docs/design.md §10): h is written
+    into ``partial_out`` (contiguous; the phase-1 output this read consumes)
+    and returned, so the read allocates no new output. Raises when a
+    gradient is wanted. CPU only."""
+    torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
+                                               _as_float(eps, "eps"), _as_float(scale, "scale"))
+    return partial_out
+
+
 def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
                 norm_weights: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
                 scale: float = 1.0):

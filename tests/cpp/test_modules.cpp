@@ -719,6 +719,30 @@ TEST(TwoPhaseBlockReads, ModulesEqualOneCallReadsAfterLearningTheOrder) {
   }
 }
 
+TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
+  torch::NoGradGuard no_grad;
+  at::manual_seed(8);
+  TinyNet net(3);
+  const at::Tensor emb = at::randn({2, 5, kD}, at::kDouble);
+  net->block_reads = attnres::BlockReads::kOneCall;
+  const at::Tensor want = net(emb);
+  net->block_reads = attnres::BlockReads::kTwoPhase;
+  const at::Tensor got = net(emb);
+  expect_close(got, want, kOutputTol, "output");
+  // The in-place merge refuses inputs that want a gradient under grad mode.
+  torch::AutoGradMode grad_mode(true);
+  const Tensors completed = leaves(2, {3, kD});
+  const at::Tensor queries = at::randn({2, kD}, at::kDouble);
+  auto [partials, lse] = attnres::block_reads(completed, queries);
+  const at::Tensor query = queries[1].clone().requires_grad_(true);
+  expect_error<c10::Error>(
+      [&] {
+        attnres::block_read_merge_inplace(partials[1].detach().clone(), lse[1].detach(),
+                                          completed[0].detach(), query);
+      },
+      "block_read_merge_inplace has no derivative");
+}
+
 TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
   const at::Tensor emb = at::randn({2, kD});
   EXPECT_EQ(attnres::DepthStream(emb, 2).block_reads(), attnres::BlockReads::kAuto);

@@ -253,6 +253,7 @@ class CountingOps:
     def __init__(self, monkeypatch):
         self.phase1 = self.merge = 0
         real_reads, real_merge = modules_mod.block_reads, modules_mod.block_read_merge
+        real_inplace = modules_mod.block_read_merge_inplace
 
         def reads(*a, **k):
             self.phase1 += 1
@@ -262,8 +263,13 @@ class CountingOps:
             self.merge += 1
             return real_merge(*a, **k)
 
+        def inplace(*a, **k):
+            self.merge += 1
+            return real_inplace(*a, **k)
+
         monkeypatch.setattr(modules_mod, "block_reads", reads)
         monkeypatch.setattr(modules_mod, "block_read_merge", merge)
+        monkeypatch.setattr(modules_mod, "block_read_merge_inplace", inplace)
 
 
 def run_stack(readers, weights, emb, block_size, block_reads):
@@ -440,3 +446,51 @@ def test_rows_near_the_float32_limits_are_rescued(magnitude):
     h = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1], eps=0.0)
     h_ref, _ = ref_read([*sources, block_sum], queries[1], gains[1], eps=0.0)
     assert_rel_close(h, h_ref, REL_TOL[torch.float32], "merged")
+
+
+def test_inplace_merge_equals_the_merge_and_refuses_gradients():
+    sources, block_sum, queries, gains = problem(3, 2, (3, 5), 19, torch.float32, seed=11)
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    want = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1])
+    y = partial_outs[1].clone()
+    got = attnres.ops.block_read_merge_inplace(y, lse[1], block_sum, queries[1], gains[1])
+    assert got is y and torch.equal(got, want)
+    opcheck(torch.ops.attnres.block_read_merge_inplace.default,
+            (partial_outs[1].clone(), lse[1], block_sum, queries[1], gains[1], 1e-6, 1.0))
+    q = queries[1].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="block_read_merge_inplace has no derivative"):
+        attnres.ops.block_read_merge_inplace(partial_outs[1].clone(), lse[1], block_sum, q)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        attnres.ops.block_read_merge_inplace(torch.stack(partial_outs, -1)[..., 0], lse[0],
+                                             block_sum, queries[0])
+
+
+def test_inference_reads_merge_in_place_and_a_second_read_is_one_call(monkeypatch):
+    D, L, S = 16, 5, 3
+    readers, weights = make_stack(L, D, torch.float64)
+    emb = torch.randn(4, D, dtype=torch.float64)
+    with torch.no_grad():
+        want = run_stack(readers, weights, emb, S, "one_call")
+        run_stack(readers, weights, emb, S, "two_phase")
+        stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase")
+        stream.append(torch.tanh(readers[0](stream) @ weights[0]))
+        h1 = readers[1](stream)
+        again = readers[1](stream)  # the partial output was consumed: one-call
+        ref = attnres.depth_attention(stream.sources, readers[1].query, readers[1].norm_weight)
+        got = run_stack(readers, weights, emb, S, "two_phase")
+    assert torch.allclose(h1, ref, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(again, ref, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_inference_of_a_block_gpt(monkeypatch):
+    torch._dynamo.reset()
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = gpt("one_call").eval()(idx)[0]
+        model = gpt("two_phase").eval()
+        model(idx)  # learns the order
+        counts = CountingOps(monkeypatch)
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(idx)[0]
+    assert counts.merge > 0
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -36,6 +36,14 @@ at::Tensor block_read_merge(const at::Tensor& partial_out, const at::Tensor& lse
                             const std::optional<at::Tensor>& norm_weight = std::nullopt,
                             double eps = 1e-6, double scale = 1.0);
 
+// Phase 2 without autograd (inference): h is written into partial_out (a
+// contiguous phase-1 output this read consumes); raises when grad mode is
+// on and an input requires grad.
+void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                              const at::Tensor& block_sum, const at::Tensor& query,
+                              const std::optional<at::Tensor>& norm_weight = std::nullopt,
+                              double eps = 1e-6, double scale = 1.0);
+
 // The raw ops (schemas in csrc/ops.cpp).
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd(
     at::TensorList sources, const at::Tensor& queries,
