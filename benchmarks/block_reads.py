@@ -8,7 +8,9 @@ sources a Block stream holds (embedding, completed block sums, partial
 sum), fp32, D = 1024, T tokens, under torch.no_grad. The sources are made
 once; only the reads are timed: one-call (attnres.depth_attention on each
 read's sources) against two-phase (attnres.block_reads once per block for
-its readers, attnres.block_read_merge at every later read of the block).
+its readers, then at every later read of the block the merge in place,
+attnres.ops.block_read_merge_inplace, as DepthStream does under no_grad;
+and, for comparison, attnres.block_read_merge into a new tensor).
 Bytes per token are counted from the ops' inputs and outputs (rows of D
 values read or written, plus the float32 statistics), not measured with
 hardware counters: the accounting of docs/design.md §10.
@@ -108,7 +110,10 @@ class BlockReads:
             out = attnres.depth_attention(sources, self.queries[l], self.gains[l])
         return out
 
-    def two_phase(self):
+    def two_phase(self, in_place=True):
+        """As DepthStream reads under torch.no_grad: phase 2 writes h into the
+        consumed partial output (in_place), or into a new tensor."""
+        merge = attnres.ops.block_read_merge_inplace if in_place else attnres.block_read_merge
         out = None
         for l, (k, j) in enumerate(schedule(self.L, self.S)):
             if j == 0:
@@ -117,8 +122,8 @@ class BlockReads:
                                                     self.gains[l:last])
                 out = partials[0]
             else:
-                out = attnres.block_read_merge(partials[j], lse[j], self.partial[(k, j)],
-                                               self.queries[l], self.gains[l])
+                out = merge(partials[j], lse[j], self.partial[(k, j)], self.queries[l],
+                            self.gains[l])
         return out
 
 
@@ -138,17 +143,20 @@ def part_reads(T, D, repeats, out):
     out.append("Bytes per token counted from the ops' inputs and outputs (docs/design.md §10); "
                "time as the ratio of medians over interleaved runs.\n")
     out.append("| L | S | one-call KiB/token | two-phase KiB/token | bytes ratio | time ratio "
-               "(two-phase / one-call) | max abs diff of the last h |")
-    out.append("|---:|---:|---:|---:|---:|---:|---:|")
+               "(two-phase / one-call) | time ratio, merge into a new tensor | "
+               "max abs diff of the last h |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     with torch.no_grad():
         for L in (12, 32, 64):
             for S in (2, 4, 8):
                 model = BlockReads(L, S, T, D)
                 diff = (model.one_call() - model.two_phase()).abs().max().item()
-                med = interleaved({"one": model.one_call, "two": model.two_phase}, repeats)
+                med = interleaved({"one": model.one_call, "two": model.two_phase,
+                                   "two_new": lambda: model.two_phase(in_place=False)}, repeats)
                 one_b, two_b = row_counts(L, S, D)
                 out.append(f"| {L} | {S} | {one_b / 1024:.1f} | {two_b / 1024:.1f} | "
-                           f"{two_b / one_b:.3f} | {med['two'] / med['one']:.3f} | {diff:.1e} |")
+                           f"{two_b / one_b:.3f} | {med['two'] / med['one']:.3f} | "
+                           f"{med['two_new'] / med['one']:.3f} | {diff:.1e} |")
                 print(out[-1], flush=True)
                 del model
 

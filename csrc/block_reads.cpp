@@ -40,16 +40,17 @@ void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at
   TORCH_CHECK_VALUE(t.device() == src0.device(), name, " must be on the sources' device");
 }
 
-// A tensor with the shape, dtype and device of `like` (named like_name).
+// A tensor with the shape, dtype and device of `like` (owner: "block_sum's",
+// "the sources'").
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
                 const char* like_name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
   check_dense(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have ", like_name, "' shape ",
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have ", like_name, " shape ",
                     like.sizes(), ", got ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name,
-                   "' dtype ", py_dtype(like.scalar_type()), ", got ", py_dtype(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like_name, "' device");
+                   " dtype ", py_dtype(like.scalar_type()), ", got ", py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like_name, " device");
 }
 
 std::vector<int64_t> with_front(std::vector<int64_t> front, const std::vector<int64_t>& lead) {
@@ -88,7 +89,7 @@ DepthProblem check_merge_args(const at::Tensor& partial_out, const at::Tensor& l
                               double scale) {
   TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
   const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, eps, scale);
-  check_like(partial_out, "partial_out", block_sum, "block_sum");
+  check_like(partial_out, "partial_out", block_sum, "block_sum's");
   check_stat(lse, "lse", p.lead_shape, acc_dtype_for(block_sum.scalar_type()), block_sum);
   return p;
 }
@@ -174,7 +175,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   TORCH_CHECK_VALUE(grad_partial_outs.empty() || static_cast<int64_t>(grad_partial_outs.size()) == S,
                     "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
                     grad_partial_outs.size());
-  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources");
+  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
   if (is_defined(grad_lse)) check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), acc, src0);
   check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
   check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
@@ -255,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
     const c10::List<bool>& output_mask) {
   TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
   const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
-  check_like(grad_out, "grad_out", block_sum, "block_sum");
-  check_like(partial_out, "partial_out", block_sum, "block_sum");
+  check_like(grad_out, "grad_out", block_sum, "block_sum's");
+  check_like(partial_out, "partial_out", block_sum, "block_sum's");
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   check_stat(rstd, "rstd", p.lead_shape, acc, block_sum);
   check_stat(weight, "weight", p.lead_shape, acc, block_sum);

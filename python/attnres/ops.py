@@ -284,11 +284,11 @@ def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
         raise ValueError(f"{name} must be a tensor")
     _check_dense(t, name)
     if t.shape != like.shape:
-        raise ValueError(f"{name} must have {like_name}' shape {list(like.shape)}, got {list(t.shape)}")
+        raise ValueError(f"{name} must have {like_name} shape {list(like.shape)}, got {list(t.shape)}")
     if t.dtype != like.dtype:
-        raise TypeError(f"{name} must have {like_name}' dtype {like.dtype}, got {t.dtype}")
+        raise TypeError(f"{name} must have {like_name} dtype {like.dtype}, got {t.dtype}")
     if t.device != like.device:
-        raise ValueError(f"{name} must be on {like_name}' device")
+        raise ValueError(f"{name} must be on {like_name} device")
 
 
 def _check_stat(t, name: str, shape, acc: torch.dtype, src0: torch.Tensor) -> None:
@@ -355,7 +355,7 @@ def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_we
             f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
         )
     for g in grad_partial_outs:
-        _check_like(g, "grad_partial_outs", src0, "the sources")
+        _check_like(g, "grad_partial_outs", src0, "the sources'")
     if grad_lse is not None:
         _check_stat(grad_lse, "grad_lse", [S, *lead], acc, src0)
     _check_stat(rstd, "rstd", [N, *lead], acc, src0)
@@ -378,7 +378,7 @@ def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale
     if not isinstance(block_sum, torch.Tensor):
         raise ValueError("block_sum must be a tensor [..., D]")
     check_args([block_sum], query, norm_weight, eps, scale)
-    _check_like(partial_out, "partial_out", block_sum, "block_sum")
+    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
     _check_stat(lse, "lse", block_sum.shape[:-1], _acc_dtype(block_sum.dtype), block_sum)
 
 
@@ -397,8 +397,8 @@ def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_wei
     if not isinstance(block_sum, torch.Tensor):
         raise ValueError("block_sum must be a tensor [..., D]")
     check_args([block_sum], query, norm_weight, 0.0, scale)
-    _check_like(grad_out, "grad_out", block_sum, "block_sum")
-    _check_like(partial_out, "partial_out", block_sum, "block_sum")
+    _check_like(grad_out, "grad_out", block_sum, "block_sum's")
+    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
     acc = _acc_dtype(block_sum.dtype)
     lead = block_sum.shape[:-1]
     _check_stat(rstd, "rstd", lead, acc, block_sum)

@@ -203,7 +203,7 @@ def test_bad_arguments_name_what_is_wrong():
     partial_outs, lse = attnres.block_reads(sources, queries, gains)
     with pytest.raises(TypeError, match="lse must have dtype torch.float32"):
         attnres.block_read_merge(partial_outs[0], lse[0].double(), block_sum, queries[0])
-    with pytest.raises(ValueError, match="partial_out must have block_sum' shape"):
+    with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
         attnres.block_read_merge(partial_outs[0][:2], lse[0], block_sum, queries[0])
 
 
@@ -215,6 +215,13 @@ def test_fake_kernels_raise_the_same_words():
     parts, lse, rstd, w = torch.ops.attnres.block_reads_fwd(meta, queries.to("meta"), None, 1e-6, 1.0)
     assert [tuple(p.shape) for p in parts] == [(4, 8)] * 3 and lse.shape == (3, 4)
     assert rstd.shape == (2, 4) and w.shape == (3, 2, 4) and w.dtype == torch.float32
+    for device in ("cpu", "meta"):  # the C++ checks and the fake kernel: the same words
+        y, p, q = torch.zeros(4, 8, device=device), block_sum.to(device), queries[0].to(device)
+        lse0 = torch.zeros(4, device=device)
+        with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
+            torch.ops.attnres.block_read_merge_fwd(y[:2], lse0, p, q, None, 1e-6, 1.0)
+        with pytest.raises(TypeError, match="lse must have dtype torch.float32, got torch.float64"):
+            torch.ops.attnres.block_read_merge_fwd(y, lse0.double(), p, q, None, 1e-6, 1.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
