@@ -28,6 +28,7 @@ times are not comparable across runs). No timing is a pass/fail criterion.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -209,11 +210,16 @@ def main():
     out = [f"# Two-phase vs one-call Block reads, CPU\n",
            f"Machine: {machine}; torch {torch.__version__}; "
            f"command: `python benchmarks/block_reads.py{' --quick' if args.quick else ''}`\n"]
+    load_before = os.getloadavg()
     part_reads(T, 1024, repeats, out)
     if args.quick:
         part_gpt(2, 64, 2, 32, 2, repeats, out)
     else:
         part_gpt(16, 512, 4, 256, 4, repeats, out)
+    load_after = os.getloadavg()
+    out.append(f"\nLoad average (1, 5, 15 min) at the start: "
+               f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "
+               f"{', '.join(f'{x:.1f}' for x in load_after)} (the VM is shared; other jobs ran).")
     if not args.quick:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
         path = RESULTS / f"block_reads_{stem}.md"

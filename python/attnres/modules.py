@@ -13,7 +13,7 @@ them through its own :class:`AttnResResidual`::
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
