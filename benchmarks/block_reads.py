@@ -129,10 +129,13 @@ class BlockReads:
 
 
 def interleaved(fns, repeats):
-    """Median seconds of each function, run in turn `repeats` times."""
+    """Median seconds of each function, run in turn `repeats` times (the
+    order rotated each round, so no variant always runs first)."""
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -215,7 +218,7 @@ def main():
     if args.quick:
         part_gpt(2, 64, 2, 32, 2, repeats, out)
     else:
-        part_gpt(16, 512, 4, 256, 4, repeats, out)
+        part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
     load_after = os.getloadavg()
     out.append(f"\nLoad average (1, 5, 15 min) at the start: "
                f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "

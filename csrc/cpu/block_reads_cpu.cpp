@@ -248,6 +248,13 @@ void sum_chunks(const std::vector<acc_t>& partial, int64_t count, int64_t row_va
 
 // ---- phase 1 ----------------------------------------------------------------
 
+// Tokens per tile of the phase-1 forward: about 256 KiB of source rows, which
+// the weighted-sum sweeps re-read from L2 after the score sweep.
+template <typename scalar_t>
+int64_t phase1_tile(int64_t N, int64_t D) {
+  return std::clamp<int64_t>((256 * 1024) / (N * D * int64_t(sizeof(scalar_t))), 1, 16);
+}
+
 template <typename scalar_t>
 void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -265,36 +272,48 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
   acc_t* w_p = call.weights.data_ptr<acc_t>();
 
-  at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<acc_t> scores(S * N), sc(S), w(S * N);
+  const int64_t tile = phase1_tile<scalar_t>(N, D);
+  at::parallel_for(0, T, tile, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N);
     std::vector<const scalar_t*> rows(N);
     std::vector<scalar_t*> out_rows(S);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      // Sweep 1, from memory: rstd_i and every reader's score s_{s,i}.
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
+      const int64_t n_tok = std::min(tile, t_end - t0);
+      // Sweep 1, from memory, source-major over the tile (its rows of one
+      // source are adjacent: one long stream): rstd_i and every reader's
+      // score s_{s,i}.
       for (int64_t i = 0; i < N; ++i) {
-        rows[i] = src[i].row(t);
-        acc_t r;
-        row_stats_many(rows[i], u_rows.data(), S, D, eps, r, sc.data());
-        rstd_p[i * T + t] = r;
-        for (int64_t s = 0; s < S; ++s) scores[s * N + i] = sc[s];
-      }
-      // Per reader: the OnlineSoftmax state over the N scores, its lse and
-      // weights (a NaN score poisons them all, as in the one-call read).
-      for (int64_t s = 0; s < S; ++s) {
-        math::OnlineSoftmax<acc_t> st;
-        st.init(scores[s * N]);
-        acc_t keep, take;
-        for (int64_t i = 1; i < N; ++i) st.push(scores[s * N + i], keep, take);
-        lse_p[s * T + t] = st.log_sum_exp();
-        const acc_t nan_if_poisoned = st.out_factor();
-        for (int64_t i = 0; i < N; ++i) {
-          w[s * N + i] = st.weight(scores[s * N + i]) * nan_if_poisoned;
-          w_p[(s * N + i) * T + t] = w[s * N + i];
+        for (int64_t k = 0; k < n_tok; ++k) {
+          const int64_t t = t0 + k;
+          acc_t r;
+          row_stats_many(src[i].row(t), u_rows.data(), S, D, eps, r, sc.data());
+          rstd_p[i * T + t] = r;
+          for (int64_t s = 0; s < S; ++s) scores[(k * S + s) * N + i] = sc[s];
         }
-        out_rows[s] = out_p[s] + t * D;
       }
-      // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
-      rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
+      for (int64_t k = 0; k < n_tok; ++k) {
+        const int64_t t = t0 + k;
+        const acc_t* score = scores.data() + k * S * N;
+        // Per reader: the OnlineSoftmax state over the N scores, its lse
+        // and weights (a NaN score poisons them all, as in the one-call
+        // read).
+        for (int64_t s = 0; s < S; ++s) {
+          math::OnlineSoftmax<acc_t> st;
+          st.init(score[s * N]);
+          acc_t keep, take;
+          for (int64_t i = 1; i < N; ++i) st.push(score[s * N + i], keep, take);
+          lse_p[s * T + t] = st.log_sum_exp();
+          const acc_t nan_if_poisoned = st.out_factor();
+          for (int64_t i = 0; i < N; ++i) {
+            w[s * N + i] = st.weight(score[s * N + i]) * nan_if_poisoned;
+            w_p[(s * N + i) * T + t] = w[s * N + i];
+          }
+          out_rows[s] = out_p[s] + t * D;
+        }
+        // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
+        for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
+        rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
+      }
     }
   });
 }
