@@ -7,16 +7,51 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <map>
 #include <string>
 
+#include "attnres/block_reads.h"
 #include "attnres/ops.h"
 
 namespace attnres {
+namespace detail {
+
+// What a stream and its copies share about the reads of one forward pass
+// (docs/design.md §10): the phase-1 results by block (keyed by the number of
+// completed sources) and the last read, from which readers learn their
+// successors.
+struct BlockReadState {
+  struct Entry {
+    at::Tensor last_completed;  // identifies the block's completed sources
+    std::vector<const AttnResResidualImpl*> readers;
+    std::vector<at::Tensor> partials;
+    at::Tensor lse;
+  };
+  uint64_t token;
+  std::map<int64_t, Entry> entries;
+  std::weak_ptr<AttnResResidualImpl> last_reader;
+  int64_t last_completed = -1, last_pos = -1;
+
+  BlockReadState() {
+    static std::atomic<uint64_t> next{1};
+    token = next++;
+  }
+};
+
+}  // namespace detail
+
 namespace {
+
+// "auto" reads two-phase from this many completed sources on (below, the
+// two-phase ops move as many bytes or more: docs/design.md §10).
+constexpr int64_t kAutoMinCompleted = 3;
 
 // Python's name of a dtype ("torch.float32"), so the messages read alike.
 std::string py_dtype(at::ScalarType dtype) {
@@ -35,8 +70,11 @@ std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
 
 // ---- DepthStream ------------------------------------------------------------
 
-DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size)
-    : embedding_(std::move(embedding)) {
+DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size,
+                         BlockReads block_reads)
+    : embedding_(std::move(embedding)),
+      block_reads_(block_reads),
+      reads_(std::make_shared<detail::BlockReadState>()) {
   TORCH_CHECK_TYPE(embedding_.defined(),
                    "embedding must be a tensor [..., D], got an undefined tensor");
   TORCH_CHECK_VALUE(embedding_.dim() >= 1 && embedding_.size(-1) != 0,
@@ -71,6 +109,80 @@ void DepthStream::append(const at::Tensor& output) {
     partial_ = at::Tensor();
     in_partial_ = 0;
   }
+}
+
+bool DepthStream::two_phase(int64_t num_completed) const {
+  if (!block_size_ || *block_size_ < 2 || block_reads_ == BlockReads::kOneCall) return false;
+  // CUDA: one-call reads until its two-phase kernels land.
+  if (!embedding_.device().is_cpu()) return false;
+  const auto t = embedding_.scalar_type();
+  if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
+  return block_reads_ == BlockReads::kTwoPhase || num_completed >= kAutoMinCompleted;
+}
+
+at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
+  detail::BlockReadState& state = *reads_;
+  const int64_t pos = in_partial_;
+  const int64_t num_completed = static_cast<int64_t>(completed_.size());
+  std::shared_ptr<AttnResResidualImpl> self;
+  if (auto weak = reader.weak_from_this(); auto owner = weak.lock()) {
+    self = std::static_pointer_cast<AttnResResidualImpl>(owner);
+  }
+  if (pos > 0 && state.last_completed == num_completed && state.last_pos == pos - 1 && self) {
+    if (auto last = state.last_reader.lock()) last->learn_successor(self, state.token);
+  }
+  state.last_reader = self;
+  state.last_completed = num_completed;
+  state.last_pos = pos;
+  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
+  const std::optional<at::Tensor> gain =
+      reader.norm_weight.defined() ? std::optional<at::Tensor>(reader.norm_weight) : std::nullopt;
+  if (pos == 0) {
+    std::vector<AttnResResidualImpl*> readers{&reader};
+    for (auto next = reader.successor(state.token);
+         next && static_cast<int64_t>(readers.size()) < *block_size_;
+         next = next->successor(state.token)) {
+      if (!reader.can_share_phase_one(*next) ||
+          std::find(readers.begin(), readers.end(), next.get()) != readers.end()) {
+        break;
+      }
+      readers.push_back(next.get());
+    }
+    std::vector<at::Tensor> queries, gains;
+    for (auto* r : readers) {
+      queries.push_back(r->query);
+      if (gain) gains.push_back(r->norm_weight);
+    }
+    auto [partials, lse] = attnres::block_reads(
+        completed_, at::stack(queries),
+        gain ? std::optional<at::Tensor>(at::stack(gains)) : std::nullopt, reader.options.eps());
+    // Without grad mode nothing is recomputed: keep one block's partials only.
+    if (!at::GradMode::is_enabled()) state.entries.clear();
+    detail::BlockReadState::Entry entry;
+    entry.last_completed = completed_.back();
+    entry.readers.assign(readers.begin(), readers.end());
+    entry.partials = partials;
+    entry.lse = lse;
+    state.entries[num_completed] = std::move(entry);
+    return partials[0];
+  }
+  const auto it = state.entries.find(num_completed);
+  if (it == state.entries.end() || !it->second.last_completed.is_same(completed_.back()) ||
+      pos >= static_cast<int64_t>(it->second.readers.size()) ||
+      it->second.readers[pos] != &reader || !it->second.partials[pos].defined()) {
+    return reader.read_one_call(*this);
+  }
+  if (at::GradMode::is_enabled()) {
+    return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
+                            gain, reader.options.eps());
+  }
+  // Inference: h overwrites the partial output it consumes (no new output
+  // allocated); a second read at this position reads one-call.
+  at::Tensor h = std::move(it->second.partials[pos]);
+  it->second.partials[pos] = at::Tensor();
+  block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                           reader.options.eps());
+  return h;
 }
 
 at::Tensor DepthStream::checked_output(const at::Tensor& f) const {
@@ -141,12 +253,45 @@ void AttnResResidualImpl::check_width(const DepthStream& stream) const {
                     options.dim(), " but the DepthStream has width D = ", stream.width());
 }
 
-at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {
-  check_width(stream);
+at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
   return depth_attention(stream.sources(), query,
                          norm_weight.defined() ? std::optional<at::Tensor>(norm_weight)
                                                : std::nullopt,
                          options.eps());
+}
+
+at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {
+  check_width(stream);
+  if (!stream.block_size()) return read_one_call(stream);
+  return stream.read(*this);
+}
+
+bool AttnResResidualImpl::can_share_phase_one(const AttnResResidualImpl& other) const {
+  if (other.options.dim() != options.dim() || other.options.eps() != options.eps()) return false;
+  if (other.query.scalar_type() != query.scalar_type() || other.query.device() != query.device()) {
+    return false;
+  }
+  if (norm_weight.defined() != other.norm_weight.defined()) return false;
+  return !norm_weight.defined() || other.norm_weight.scalar_type() == norm_weight.scalar_type();
+}
+
+void AttnResResidualImpl::learn_successor(const std::shared_ptr<AttnResResidualImpl>& next,
+                                          uint64_t token) {
+  if (next != next_reader_.lock()) {
+    pending_next_reader_ = next;
+    pending_token_ = token;
+  } else {
+    pending_token_ = 0;
+  }
+}
+
+std::shared_ptr<AttnResResidualImpl> AttnResResidualImpl::successor(uint64_t token) {
+  if (pending_token_ != 0 && pending_token_ != token) {
+    next_reader_ = pending_next_reader_;
+    pending_next_reader_.reset();
+    pending_token_ = 0;
+  }
+  return next_reader_.lock();
 }
 
 std::tuple<at::Tensor, at::Tensor> AttnResResidualImpl::forward_with_weights(

@@ -31,6 +31,43 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor rstd, "
       "Tensor weights, float scale, bool[] output_mask) -> "
       "(Tensor[] grad_sources, Tensor grad_query, Tensor grad_norm_weight)");
+  // Two-phase Block reads (docs/design.md §10; kernels and autograd in
+  // block_reads.cpp). Phase 1: the N completed sources read once for the S
+  // readers of a block (queries [S, D]): each reader's softmax-weighted
+  // average over them (S tensors [..., D]) and the log-sum-exp of its
+  // scores lse [S, ...]; rstd [N, ...] and weights [S, N, ...] are the
+  // backward's statistics.
+  m.def(
+      "block_reads_fwd(Tensor[] sources, Tensor queries, Tensor? norm_weights, "
+      "float eps, float scale) -> (Tensor[] partial_outs, Tensor lse, "
+      "Tensor rstd, Tensor weights)");
+  // grad_partial_outs: all S gradients, or none; output_mask: N + 2 flags
+  // (each source, queries, norm_weights).
+  m.def(
+      "block_reads_bwd(Tensor[] grad_partial_outs, Tensor? grad_lse, "
+      "Tensor[] sources, Tensor queries, Tensor? norm_weights, Tensor rstd, "
+      "Tensor weights, float scale, bool[] output_mask) -> "
+      "(Tensor[] grad_sources, Tensor grad_queries, Tensor grad_norm_weights)");
+  // Phase 2: one reader's phase-1 state (partial_out, lse) merged exactly
+  // with the partial block sum: h, and the block sum's rstd and weight.
+  m.def(
+      "block_read_merge_fwd(Tensor partial_out, Tensor lse, Tensor block_sum, "
+      "Tensor query, Tensor? norm_weight, float eps, float scale) -> "
+      "(Tensor out, Tensor rstd, Tensor weight)");
+  // output_mask: 5 flags (partial_out, lse, block_sum, query, norm_weight).
+  m.def(
+      "block_read_merge_bwd(Tensor grad_out, Tensor partial_out, "
+      "Tensor block_sum, Tensor query, Tensor? norm_weight, Tensor rstd, "
+      "Tensor weight, float scale, bool[] output_mask) -> "
+      "(Tensor grad_partial_out, Tensor grad_lse, Tensor grad_block_sum, "
+      "Tensor grad_query, Tensor grad_norm_weight)");
+  // Phase 2 without autograd (inference): h overwrites partial_out, the
+  // reader's phase-1 output that this read consumes, so the read allocates
+  // no new output (docs/design.md §10). Raises when a gradient is wanted.
+  m.def(
+      "block_read_merge_inplace(Tensor(a!) partial_out, Tensor lse, "
+      "Tensor block_sum, Tensor query, Tensor? norm_weight, float eps, "
+      "float scale) -> ()");
 }
 
 namespace attnres {

@@ -7,9 +7,9 @@
 """
 from ._version import __version__
 from . import reference
-from .ops import depth_attention
+from .ops import block_read_merge, block_reads, depth_attention
 from .modules import AttnResResidual, DepthStream
 from . import models
 from .optim import param_groups
 
-__all__ = ["depth_attention", "reference", "DepthStream", "AttnResResidual", "models", "param_groups"]
+__all__ = ["depth_attention", "block_reads", "block_read_merge", "reference", "DepthStream", "AttnResResidual", "models", "param_groups"]

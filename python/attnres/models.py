@@ -30,6 +30,9 @@ class GPTConfig:
     mlp_ratio: int = 4
     residual: str = "standard"
     block_size: int = 2  # sublayers per block; used by residual="block" only
+    # How Block reads run: "auto" | "two_phase" | "one_call" (DepthStream,
+    # docs/design.md §10).
+    block_reads: str = "auto"
     eps: float = 1e-6  # AttnRes key-norm eps
     # LayerNorm eps, relative to the standard residual sum (see prenorm_eps).
     norm_eps: float = 1e-5
@@ -201,7 +204,8 @@ class GPT(nn.Module):
                 else:
                     x = blk(x)
         else:
-            stream = DepthStream(x, block_size=self.cfg.stream_block_size)
+            stream = DepthStream(x, block_size=self.cfg.stream_block_size,
+                                 block_reads=self.cfg.block_reads)
             weights = [] if return_depth_weights else None
             for blk in self.blocks:
                 if self.cfg.checkpoint_blocks and self.training and weights is None:

@@ -13,13 +13,42 @@ them through its own :class:`AttnResResidual`::
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from . import ops
-from .ops import depth_attention
+from .ops import block_read_merge, block_read_merge_inplace, block_reads, depth_attention
+
+_BLOCK_READS = ("auto", "two_phase", "one_call")
+# "auto" uses two-phase reads for a block from this many completed sources on:
+# below it they move as many bytes (n = 2) or more (n = 1) than one-call
+# reads (docs/design.md §10).
+_AUTO_MIN_COMPLETED = 3
+_TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Token:
+    """Identity of one forward pass's read state (compared with ``is``)."""
+
+    __slots__ = ()
+
+
+class _ReadState:
+    """What a stream and all its clones share about the reads of one forward
+    pass (docs/design.md §10): the phase-1 results by block (keyed by the
+    number of completed sources) and the last read, from which readers learn
+    their successors. Shared, so a checkpointed segment that starts mid-block
+    uses the phase-1 result computed before it, and its recomputation takes
+    the same path as its first run."""
+
+    __slots__ = ("token", "entries", "last")
+
+    def __init__(self):
+        self.token = _Token()
+        self.entries: Dict[int, tuple] = {}
+        self.last: Optional[tuple] = None
 
 
 def _check_block_size(block_size) -> Optional[int]:
@@ -60,7 +89,8 @@ class DepthStream:
     every step.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None):
+    def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None, *,
+                 block_reads: str = "auto"):
         if not isinstance(embedding, torch.Tensor):
             raise TypeError(f"embedding must be a tensor [..., D], got {type(embedding).__name__}")
         if embedding.dim() < 1 or embedding.shape[-1] == 0:
@@ -70,6 +100,12 @@ class DepthStream:
         if not embedding.is_floating_point():
             raise TypeError(f"embedding must be a floating-point tensor, got {embedding.dtype}")
         self.block_size = _check_block_size(block_size)
+        if block_reads not in _BLOCK_READS:
+            raise ValueError(
+                f"block_reads must be one of {', '.join(map(repr, _BLOCK_READS))}, got {block_reads!r}"
+            )
+        self.block_reads = block_reads
+        self._reads = _ReadState()
         self.embedding = embedding
         self._completed: List[torch.Tensor] = [embedding]
         self._partial: Optional[torch.Tensor] = None
@@ -138,12 +174,66 @@ class DepthStream:
         """
         other = DepthStream.__new__(DepthStream)
         other.block_size = self.block_size
+        other.block_reads = self.block_reads
+        other._reads = self._reads  # shared: docs/design.md §10
         other.embedding = self.embedding
         other._completed = list(self._completed)
         other._partial = self._partial
         other._in_partial = self._in_partial
         other.num_outputs = self.num_outputs
         return other
+
+    def _two_phase(self, num_completed: int) -> bool:
+        """Whether the reads of the current block use the two-phase ops."""
+        if self.block_size is None or self.block_size < 2 or self.block_reads == "one_call":
+            return False
+        if self.device.type != "cpu" or self.dtype not in _TWO_PHASE_DTYPES:
+            return False  # CUDA: one-call reads until its two-phase kernels land
+        return self.block_reads == "two_phase" or num_completed >= _AUTO_MIN_COMPLETED
+
+    def _read(self, reader: "AttnResResidual") -> torch.Tensor:
+        """h for ``reader`` (docs/design.md §10): phase 1 at the first read of
+        a block, for the readers the first one has learned follow it; phase
+        2 at a later read whose reader phase 1 included at this position;
+        a one-call read otherwise (same result)."""
+        state = self._reads
+        pos, num_completed = self._in_partial, len(self._completed)
+        last = state.last
+        if pos > 0 and last is not None and last[1] == num_completed and last[2] == pos - 1:
+            last[0]._learn_successor(reader, state.token)
+        state.last = (reader, num_completed, pos)
+        if not self._two_phase(num_completed):
+            return reader._one_call(self.sources)
+        if pos == 0:
+            readers = [reader]
+            nxt = reader._successor(state.token)
+            while nxt is not None and len(readers) < self.block_size:
+                if not reader._can_share_phase_one(nxt) or any(nxt is r for r in readers):
+                    break
+                readers.append(nxt)
+                nxt = nxt._successor(state.token)
+            queries = torch.stack([r.query for r in readers])
+            gains = None
+            if reader.norm_weight is not None:
+                gains = torch.stack([r.norm_weight for r in readers])
+            partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps)
+            if not torch.is_grad_enabled():
+                state.entries.clear()  # nothing to recompute: keep one block's partials only
+            state.entries[num_completed] = (self._completed[-1], readers, partials, lse)
+            return partials[0]
+        entry = state.entries.get(num_completed)
+        if (entry is None or entry[0] is not self._completed[-1] or pos >= len(entry[1])
+                or entry[1][pos] is not reader or entry[2][pos] is None):
+            return reader._one_call(self.sources)
+        if torch.is_grad_enabled():
+            return block_read_merge(entry[2][pos], entry[3][pos], self._partial, reader.query,
+                                    reader.norm_weight, eps=reader.eps)
+        # Inference: h overwrites the partial output it consumes (no new
+        # output allocated); a second read at this position reads one-call.
+        partial = entry[2][pos]
+        entry[2][pos] = None
+        return block_read_merge_inplace(partial, entry[3][pos], self._partial, reader.query,
+                                        reader.norm_weight, eps=reader.eps)
 
     def _checked_output(self, f) -> torch.Tensor:
         if not isinstance(f, torch.Tensor):
@@ -209,7 +299,43 @@ class AttnResResidual(nn.Module):
             self.norm_weight = nn.Parameter(torch.empty(dim, **factory))
         else:
             self.register_parameter("norm_weight", None)
+        # The reader that read right after this one in the same block, as
+        # learned from the streams (docs/design.md §10). Plain attributes,
+        # not submodules: object.__setattr__ keeps nn.Module from
+        # registering them. A link learned during one forward pass takes
+        # effect from the next one, so an activation-checkpoint
+        # recomputation takes the same path as its first run.
+        object.__setattr__(self, "_next_reader", None)
+        object.__setattr__(self, "_pending_next_reader", None)
         self.reset_parameters()
+
+    def _learn_successor(self, reader: "AttnResResidual", token) -> None:
+        if reader is not self._next_reader:
+            object.__setattr__(self, "_pending_next_reader", (token, reader))
+        elif self._pending_next_reader is not None:
+            object.__setattr__(self, "_pending_next_reader", None)
+
+    def _successor(self, token) -> Optional["AttnResResidual"]:
+        pending = self._pending_next_reader
+        if pending is not None and pending[0] is not token:
+            object.__setattr__(self, "_next_reader", pending[1])
+            object.__setattr__(self, "_pending_next_reader", None)
+        return self._next_reader
+
+    def _can_share_phase_one(self, other) -> bool:
+        """Whether ``other`` can be read in this reader's phase-1 call (one
+        eps, stackable parameters)."""
+        if not isinstance(other, AttnResResidual) or other.dim != self.dim or other.eps != self.eps:
+            return False
+        if (other.query.dtype, other.query.device) != (self.query.dtype, self.query.device):
+            return False
+        if (self.norm_weight is None) != (other.norm_weight is None):
+            return False
+        return self.norm_weight is None or other.norm_weight.dtype == self.norm_weight.dtype
+
+    def _one_call(self, sources: List[torch.Tensor], return_weights: bool = False):
+        return depth_attention(sources, self.query, self.norm_weight, eps=self.eps,
+                               return_weights=return_weights)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)
@@ -228,10 +354,9 @@ class AttnResResidual(nn.Module):
                 f"AttnResResidual has width dim = {self.dim} but the DepthStream has width "
                 f"D = {stream.width}"
             )
-        return depth_attention(
-            stream.sources, self.query, self.norm_weight, eps=self.eps,
-            return_weights=return_weights,
-        )
+        if return_weights or stream.block_size is None:
+            return self._one_call(stream.sources, return_weights)
+        return stream._read(self)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, key_norm_affine={self.norm_weight is not None}"

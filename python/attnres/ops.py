@@ -271,3 +271,202 @@ def depth_attention(
     if return_weights:
         return h, weights.to(torch.float32)
     return h
+
+
+# ---- two-phase Block reads (docs/design.md §10) ------------------------------
+# CPU kernels only (csrc/cpu/block_reads_cpu.cpp); on CUDA tensors the ops
+# raise NotImplementedError naming the missing kernel. Autograd in C++
+# (csrc/block_reads.cpp), like the ops above.
+
+
+def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor")
+    _check_dense(t, name)
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have {like_name} shape {list(like.shape)}, got {list(t.shape)}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} must have {like_name} dtype {like.dtype}, got {t.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like_name} device")
+
+
+def _check_stat(t, name: str, shape, acc: torch.dtype, src0: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor")
+    _check_dense(t, name)
+    if list(t.shape) != list(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != acc:
+        raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
+    if t.device != src0.device:
+        raise ValueError(f"{name} must be on the sources' device")
+
+
+def check_block_reads_args(sources, queries, norm_weights, eps, scale) -> None:
+    """Same checks and words as csrc/block_reads.cpp (used by the fake kernels)."""
+    if not isinstance(queries, torch.Tensor):
+        raise ValueError("queries must be a tensor [S, D]")
+    _check_dense(queries, "queries")
+    if queries.dim() != 2 or queries.shape[0] < 1:
+        raise ValueError(
+            f"queries must have shape [S, D] (one query per reader, S >= 1), got {list(queries.shape)}"
+        )
+    if len(sources) > 0 and isinstance(sources[0], torch.Tensor) and sources[0].dim() >= 1:
+        D = sources[0].shape[-1]
+        if queries.shape[1] != D:
+            raise ValueError(
+                f"queries must have shape [S, D] = [{queries.shape[0]}, {D}], got {list(queries.shape)}"
+            )
+    gain0 = None
+    if norm_weights is not None:
+        _check_dense(norm_weights, "norm_weights")
+        if norm_weights.shape != queries.shape:
+            raise ValueError(
+                f"norm_weights must have the queries' shape {list(queries.shape)}, got "
+                f"{list(norm_weights.shape)}"
+            )
+        gain0 = norm_weights[0]
+    check_args(sources, queries[0], gain0, eps, scale)
+
+
+@torch.library.register_fake("attnres::block_reads_fwd")
+def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale):
+    check_block_reads_args(sources, queries, norm_weights, eps, scale)
+    src0 = sources[0]
+    S, N, lead = queries.shape[0], len(sources), tuple(src0.shape[:-1])
+    acc = _acc_dtype(src0.dtype)
+    partial_outs = [torch.empty(src0.shape, dtype=src0.dtype, device=src0.device) for _ in range(S)]
+    lse = src0.new_empty((S, *lead), dtype=acc)
+    rstd = src0.new_empty((N, *lead), dtype=acc)
+    weights = src0.new_empty((S, N, *lead), dtype=acc)
+    return partial_outs, lse, rstd, weights
+
+
+@torch.library.register_fake("attnres::block_reads_bwd")
+def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale, output_mask):
+    check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
+    src0 = sources[0]
+    S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
+    acc = _acc_dtype(src0.dtype)
+    if len(grad_partial_outs) not in (0, S):
+        raise ValueError(
+            f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
+        )
+    for g in grad_partial_outs:
+        _check_like(g, "grad_partial_outs", src0, "the sources'")
+    if grad_lse is not None:
+        _check_stat(grad_lse, "grad_lse", [S, *lead], acc, src0)
+    _check_stat(rstd, "rstd", [N, *lead], acc, src0)
+    _check_stat(weights, "weights", [S, N, *lead], acc, src0)
+    if len(output_mask) != N + 2:
+        raise ValueError(
+            f"output_mask must have {N + 2} entries (each source, queries, norm_weights), got "
+            f"{len(output_mask)}"
+        )
+    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
+             for i, s in enumerate(sources) if output_mask[i]]
+    gain_dtype = norm_weights.dtype if norm_weights is not None else queries.dtype
+    grad_queries = torch.empty_like(queries) if output_mask[N] else None
+    grad_gains = queries.new_empty(queries.shape, dtype=gain_dtype) if output_mask[N + 1] else None
+    return grads, grad_queries, grad_gains
+
+
+def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale) -> None:
+    """Same checks and words as csrc/block_reads.cpp (used by the fake kernels)."""
+    if not isinstance(block_sum, torch.Tensor):
+        raise ValueError("block_sum must be a tensor [..., D]")
+    check_args([block_sum], query, norm_weight, eps, scale)
+    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
+    _check_stat(lse, "lse", block_sum.shape[:-1], _acc_dtype(block_sum.dtype), block_sum)
+
+
+@torch.library.register_fake("attnres::block_read_merge_fwd")
+def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale):
+    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
+    acc = _acc_dtype(block_sum.dtype)
+    out = torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)
+    return out, block_sum.new_empty(block_sum.shape[:-1], dtype=acc), block_sum.new_empty(
+        block_sum.shape[:-1], dtype=acc)
+
+
+@torch.library.register_fake("attnres::block_read_merge_bwd")
+def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
+                               scale, output_mask):
+    if not isinstance(block_sum, torch.Tensor):
+        raise ValueError("block_sum must be a tensor [..., D]")
+    check_args([block_sum], query, norm_weight, 0.0, scale)
+    _check_like(grad_out, "grad_out", block_sum, "block_sum's")
+    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
+    acc = _acc_dtype(block_sum.dtype)
+    lead = block_sum.shape[:-1]
+    _check_stat(rstd, "rstd", lead, acc, block_sum)
+    _check_stat(weight, "weight", lead, acc, block_sum)
+    if len(output_mask) != 5:
+        raise ValueError(
+            "output_mask must have 5 entries (partial_out, lse, block_sum, query, norm_weight), "
+            f"got {len(output_mask)}"
+        )
+    gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
+    rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
+    return (
+        rows() if output_mask[0] else None,
+        block_sum.new_empty(lead, dtype=acc) if output_mask[1] else None,
+        rows() if output_mask[2] else None,
+        torch.empty_like(query) if output_mask[3] else None,
+        query.new_empty(query.shape, dtype=gain_dtype) if output_mask[4] else None,
+    )
+
+
+@torch.library.register_fake("attnres::block_read_merge_inplace")
+def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale):
+    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
+    if not partial_out.is_contiguous():
+        raise ValueError(
+            "partial_out must be contiguous for block_read_merge_inplace (h is written into it)"
+        )
+    return None
+
+
+def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
+                             block_sum: torch.Tensor, query: torch.Tensor,
+                             norm_weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
+                             scale: float = 1.0) -> torch.Tensor:
+    """Phase 2 without autograd (inference, docs/design.md §10): h is written
+    into ``partial_out`` (contiguous; the phase-1 output this read consumes)
+    and returned, so the read allocates no new output. Raises when a
+    gradient is wanted. CPU only."""
+    torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
+                                               _as_float(eps, "eps"), _as_float(scale, "scale"))
+    return partial_out
+
+
+def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
+                norm_weights: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
+                scale: float = 1.0):
+    """Phase 1 of a two-phase Block read (docs/design.md §10): the completed
+    ``sources`` read once for the S readers of a block (``queries`` [S, D],
+    ``norm_weights`` [S, D] or None). Returns ``(partial_outs, lse)``: S
+    tensors [..., D] (each reader's softmax-weighted average over the
+    sources, its h when the block has no partial sum yet) and the
+    log-sum-exp of each reader's scores [S, ...] (float32; float64 for
+    float64 sources). Differentiable. CPU only."""
+    partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(
+        list(sources), queries, norm_weights, _as_float(eps, "eps"), _as_float(scale, "scale")
+    )
+    return list(partial_outs), lse
+
+
+def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: torch.Tensor,
+                     query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, *,
+                     eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """Phase 2 (docs/design.md §10): one reader's h from its phase-1
+    ``partial_out`` and ``lse`` and the partial ``block_sum``; equal to
+    :func:`depth_attention` over the completed sources and ``block_sum``.
+    Differentiable. CPU only."""
+    out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(
+        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
+        _as_float(scale, "scale")
+    )
+    return out

@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -564,7 +565,7 @@ struct TinyNetImpl : torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& emb) {
-    attnres::DepthStream stream(emb, block_size);
+    attnres::DepthStream stream(emb, block_size, block_reads);
     for (int l = 0; l < kDepth; ++l) stream.append(sublayer(l, reads[l](stream)));
     return reads[kDepth](stream);
   }
@@ -594,6 +595,7 @@ struct TinyNetImpl : torch::nn::Module {
   }
 
   std::optional<int64_t> block_size;
+  attnres::BlockReads block_reads = attnres::BlockReads::kAuto;
   std::vector<torch::nn::Linear> layers;
   std::vector<attnres::AttnResResidual> reads;
 };
@@ -650,6 +652,102 @@ TEST(TinyNet, BlockSizeOneEqualsFull) {
   const Tensors g_block = torch::autograd::grad({out_block}, block->parameters(), {grad_out});
   ASSERT_EQ(g_full.size(), g_block.size());
   for (size_t i = 0; i < g_full.size(); ++i) EXPECT_TRUE(at::equal(g_full[i], g_block[i])) << i;
+}
+
+// ---- two-phase Block reads (docs/design.md §10) ------------------------------------
+
+TEST(TwoPhaseBlockReads, OpsEqualTheOneCallRead) {
+  at::manual_seed(5);
+  const Tensors completed = leaves(3, {4, 6, kD});
+  const at::Tensor block_sum = at::randn({4, 6, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor queries = at::randn({3, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor gains = (at::rand({3, kD}, at::kDouble) + 0.5).requires_grad_(true);
+  auto [partials, lse] = attnres::block_reads(completed, queries, gains);
+  ASSERT_EQ(partials.size(), 3u);
+  at::Tensor loss = partials[0].sum();
+  at::Tensor ref_loss = composite(completed, queries[0], gains[0]).first.sum();
+  Tensors with_block = completed;
+  with_block.push_back(block_sum);
+  for (int64_t r = 1; r < 3; ++r) {
+    const at::Tensor h = attnres::block_read_merge(partials[r], lse[r], block_sum, queries[r],
+                                                   gains[r]);
+    const at::Tensor ref = composite(with_block, queries[r], gains[r]).first;
+    expect_close(h, ref, kOutputTol, "merged read " + std::to_string(r));
+    loss = loss + h.pow(2).sum();
+    ref_loss = ref_loss + ref.pow(2).sum();
+  }
+  Tensors inputs = completed;
+  inputs.push_back(block_sum);
+  inputs.push_back(queries);
+  inputs.push_back(gains);
+  const Tensors grads = torch::autograd::grad({loss}, inputs);
+  const Tensors ref_grads = torch::autograd::grad({ref_loss}, inputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    expect_close(grads[i], ref_grads[i], kGradTol, "gradient of input " + std::to_string(i));
+  }
+}
+
+TEST(TwoPhaseBlockReads, ModulesEqualOneCallReadsAfterLearningTheOrder) {
+  for (int64_t S : {2, 3, 4}) {
+    SCOPED_TRACE("S=" + std::to_string(S));
+    at::manual_seed(6);
+    TinyNet net(S);
+    const at::Tensor emb = at::randn({3, 5, kD}, at::kDouble).requires_grad_(true);
+    const at::Tensor grad_out = at::randn({3, 5, kD}, at::kDouble);
+    Tensors inputs = {emb};
+    for (const auto& p : net->parameters()) inputs.push_back(p);
+    net->block_reads = attnres::BlockReads::kOneCall;
+    const at::Tensor want = net(emb);
+    const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
+    net->block_reads = attnres::BlockReads::kTwoPhase;
+    at::manual_seed(7);
+    TinyNet fresh(S);
+    fresh->block_reads = attnres::BlockReads::kTwoPhase;
+    // A fresh net knows no reader order: the final read (position 7 % S > 0
+    // of its block) is a one-call read.
+    EXPECT_THAT(fresh(emb).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+    // net learned its order in the one-call pass: every read after the
+    // first of a block merges.
+    const at::Tensor got = net(emb);
+    EXPECT_THAT(got.grad_fn()->name(), HasSubstr("MergeFunction"));
+    const Tensors got_grads = torch::autograd::grad({got}, inputs, {grad_out});
+    expect_close(got, want, kOutputTol, "output");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!want_grads[i].defined() || want_grads[i].count_nonzero().item<int64_t>() == 0) continue;
+      expect_close(got_grads[i], want_grads[i], kGradTol, "gradient of input " + std::to_string(i));
+    }
+  }
+}
+
+TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
+  torch::NoGradGuard no_grad;
+  at::manual_seed(8);
+  TinyNet net(3);
+  const at::Tensor emb = at::randn({2, 5, kD}, at::kDouble);
+  net->block_reads = attnres::BlockReads::kOneCall;
+  const at::Tensor want = net(emb);
+  net->block_reads = attnres::BlockReads::kTwoPhase;
+  const at::Tensor got = net(emb);
+  expect_close(got, want, kOutputTol, "output");
+  // The in-place merge refuses inputs that want a gradient under grad mode.
+  torch::AutoGradMode grad_mode(true);
+  const Tensors completed = leaves(2, {3, kD});
+  const at::Tensor queries = at::randn({2, kD}, at::kDouble);
+  auto [partials, lse] = attnres::block_reads(completed, queries);
+  const at::Tensor query = queries[1].clone().requires_grad_(true);
+  expect_error<c10::Error>(
+      [&] {
+        attnres::block_read_merge_inplace(partials[1].detach().clone(), lse[1].detach(),
+                                          completed[0].detach(), query);
+      },
+      "block_read_merge_inplace has no derivative");
+}
+
+TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
+  const at::Tensor emb = at::randn({2, kD});
+  EXPECT_EQ(attnres::DepthStream(emb, 2).block_reads(), attnres::BlockReads::kAuto);
+  EXPECT_EQ(attnres::DepthStream(emb, 2, attnres::BlockReads::kOneCall).block_reads(),
+            attnres::BlockReads::kOneCall);
 }
 
 // ---- training --------------------------------------------------------------------

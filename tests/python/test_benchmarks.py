@@ -257,3 +257,23 @@ print("adapters ok")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "adapters ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_block_reads_benchmark_quick():
+    # Runs end to end (writes no results file with --quick); the byte
+    # accounting agrees with docs/design.md §10's table (rows of D values,
+    # statistics on top).
+    script = ROOT / "benchmarks" / "block_reads.py"
+    spec = importlib.util.spec_from_file_location("attnres_block_reads_bench", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    one, two = mod.row_counts(32, 4, 1 << 20)  # a huge D: the statistics vanish
+    assert abs(one / (4 << 20) - 200) < 0.01 and abs(two / (4 << 20) - 140) < 0.01
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 9
+    assert "block two-phase" in proc.stdout

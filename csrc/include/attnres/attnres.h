@@ -11,5 +11,6 @@
 // what a TorchScript or AOTInductor model that calls them needs.
 #pragma once
 
+#include "attnres/block_reads.h"
 #include "attnres/modules.h"
 #include "attnres/ops.h"

@@ -46,6 +46,8 @@ ATTNRES_HD float exp_acc(float x) { return ::expf(x); }
 ATTNRES_HD double exp_acc(double x) { return ::exp(x); }
 ATTNRES_HD float sqrt_acc(float x) { return ::sqrtf(x); }
 ATTNRES_HD double sqrt_acc(double x) { return ::sqrt(x); }
+ATTNRES_HD float log_acc(float x) { return ::logf(x); }
+ATTNRES_HD double log_acc(double x) { return ::log(x); }
 
 // Reciprocal RMS of a row from its sum of squares. Accumulated in acc_t
 // (fp32 for fp32/bf16/fp16 inputs, fp64 for fp64), as apex/Liger do.
@@ -115,6 +117,10 @@ struct OnlineSoftmax {
   // The factor the normalized accumulator is multiplied by at the end: 1,
   // or NaN when the softmax is NaN (so h is NaN too, also when N = 1).
   ATTNRES_HD acc_t out_factor() const { return (l - l) + acc_t(1); }
+  // The state as one number, log sum_j exp(s_j) = m + log l (FlashAttention's
+  // log-sum-exp): a later init(lse) + push(s) merges one more score exactly
+  // (two-phase Block reads, docs/design.md §10).
+  ATTNRES_HD acc_t log_sum_exp() const { return m + log_acc(l); }
 };
 
 // Elementwise step of the online weighted sum (works on Vectorized too).

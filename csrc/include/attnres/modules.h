@@ -22,12 +22,26 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <tuple>
 #include <vector>
 
 namespace attnres {
+
+class AttnResResidualImpl;
+
+// How a Block stream's reads run (docs/design.md §10): kAuto uses the
+// two-phase ops for blocks with at least 3 completed sources (where they
+// move fewer bytes than one-call reads) on CPU; kTwoPhase for every block on
+// CPU; kOneCall never. CUDA streams always read one-call (no two-phase CUDA
+// kernels yet).
+enum class BlockReads { kAuto, kTwoPhase, kOneCall };
+
+namespace detail {
+struct BlockReadState;  // shared by a stream and its copies (modules.cpp)
+}
 
 // The sources that later sublayers read, for one forward pass.
 //
@@ -54,7 +68,8 @@ namespace attnres {
 class DepthStream {
  public:
   explicit DepthStream(at::Tensor embedding,
-                       std::optional<int64_t> block_size = std::nullopt);
+                       std::optional<int64_t> block_size = std::nullopt,
+                       BlockReads block_reads = BlockReads::kAuto);
 
   // Records the new output f of one sublayer (never a cumulative sum). f must
   // have the embedding's shape, device and dtype (under autocast: any
@@ -73,6 +88,14 @@ class DepthStream {
   std::optional<int64_t> block_size() const { return block_size_; }
   // Sublayer outputs appended so far.
   int64_t num_outputs() const { return num_outputs_; }
+  BlockReads block_reads() const { return block_reads_; }
+
+  // h for `reader` at this point of the stream (what AttnResResidual's
+  // forward returns): in a Block stream on CPU, phase 1 at the first read of
+  // a block for the readers `reader` has learned follow it, phase 2 at a
+  // later read that phase 1 included, a one-call read otherwise
+  // (docs/design.md §10). The readers learn their order from the streams.
+  at::Tensor read(AttnResResidualImpl& reader) const;
 
   const at::Tensor& embedding() const { return embedding_; }
   at::IntArrayRef shape() const { return embedding_.sizes(); }
@@ -80,11 +103,14 @@ class DepthStream {
   at::Device device() const { return embedding_.device(); }
 
   // A new stream with the same sources (tensors shared, lists copied); the
-  // same as a copy, named as in Python.
+  // same as a copy, named as in Python. Copies share the read state of the
+  // forward pass (the phase-1 results of §10), as activation checkpointing
+  // needs.
   DepthStream clone() const { return *this; }
 
  private:
   at::Tensor checked_output(const at::Tensor& f) const;
+  bool two_phase(int64_t num_completed) const;
 
   at::Tensor embedding_;
   std::optional<int64_t> block_size_;
@@ -92,6 +118,8 @@ class DepthStream {
   at::Tensor partial_;                 // undefined when the block is empty
   int64_t in_partial_ = 0;             // outputs summed into the partial so far
   int64_t num_outputs_ = 0;
+  BlockReads block_reads_ = BlockReads::kAuto;
+  std::shared_ptr<detail::BlockReadState> reads_;
 };
 
 // DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
@@ -129,7 +157,8 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   void reset_parameters();
 
   // h [..., D] in the stream dtype: attnres::depth_attention on
-  // stream.sources() (the list itself, never stacked).
+  // stream.sources() (the list itself, never stacked), or in a Block stream
+  // on CPU the same h from the two-phase ops (DepthStream::read).
   at::Tensor forward(const DepthStream& stream);
   // h and the depth softmax weights [num_sources, ...] (fp32; fp64 for an
   // fp64 stream); both are differentiable.
@@ -143,7 +172,20 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   at::Tensor norm_weight;  // undefined without key_norm_affine
 
  private:
+  friend class DepthStream;
   void check_width(const DepthStream& stream) const;
+  at::Tensor read_one_call(const DepthStream& stream);
+  // Whether `other` can join this reader's phase-1 call (one eps, stackable
+  // parameters).
+  bool can_share_phase_one(const AttnResResidualImpl& other) const;
+  // The next reader's successor link: learned in one forward pass (token),
+  // in effect from the next one (docs/design.md §10). Weak: a reader does
+  // not own the next one.
+  void learn_successor(const std::shared_ptr<AttnResResidualImpl>& next, uint64_t token);
+  std::shared_ptr<AttnResResidualImpl> successor(uint64_t token);
+  std::weak_ptr<AttnResResidualImpl> next_reader_;
+  std::weak_ptr<AttnResResidualImpl> pending_next_reader_;
+  uint64_t pending_token_ = 0;  // 0: nothing pending
 };
 
 // attnres::AttnResResidual(dim) or

@@ -1,0 +1,234 @@
+"""Two-phase vs one-call Block reads on CPU (issue 9; docs/design.md §10).
+
+  python benchmarks/block_reads.py            # writes benchmarks/results/block_reads_<cpu>.md
+  python benchmarks/block_reads.py --quick    # small T and few repeats (a dry run)
+
+Part 1, the reads of a Block model: L reads (one per sublayer) over the
+sources a Block stream holds (embedding, completed block sums, partial
+sum), fp32, D = 1024, T tokens, under torch.no_grad. The sources are made
+once; only the reads are timed: one-call (attnres.depth_attention on each
+read's sources) against two-phase (attnres.block_reads once per block for
+its readers, then at every later read of the block the merge in place,
+attnres.ops.block_read_merge_inplace, as DepthStream does under no_grad;
+and, for comparison, attnres.block_read_merge into a new tensor).
+Bytes per token are counted from the ops' inputs and outputs (rows of D
+values read or written, plus the float32 statistics), not measured with
+hardware counters: the accounting of docs/design.md §10.
+
+Part 2, the example GPT (python/attnres/models.py) inference forward under
+torch.no_grad: standard residual, Full, Block with one-call reads and Block
+with block_reads="auto" and "two_phase" (each Block model runs once before
+timing, so its readers have learned their order).
+
+Timing: the variants of one configuration run interleaved, one call each in
+turn, repeated; the median per variant is reported only as a ratio to the
+baseline measured in the same run (the VM is shared and noisy: absolute
+times are not comparable across runs). No timing is a pass/fail criterion.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import attnres
+from attnres.models import GPT, GPTConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            model = m.group(1) if m else "unknown CPU"
+    except OSError:
+        model = "unknown CPU"
+    return f"{model.strip()} ({torch.get_num_threads()} threads)"
+
+
+# ---- part 1: the reads of a Block model ------------------------------------------
+
+
+def schedule(L, S):
+    """(block k, position j) of each of the L reads."""
+    return [divmod(l, S) for l in range(L)]
+
+
+def row_counts(L, S, D):
+    """Per token: (one-call bytes, two-phase bytes) of the L reads, fp32.
+    Rows of D values read/written plus the float32 statistics."""
+    e, st = 4, 4
+    one = two = 0
+    for l, (k, j) in enumerate(schedule(L, S)):
+        n = k + 1
+        N = n + (j > 0)
+        one += (N + 1) * D * e + 2 * N * st  # sources, h; rstd + weights
+        if j == 0:
+            readers = min(S, L - k * S)
+            two += (n + readers) * D * e + (readers + n + readers * n) * st  # lse, rstd, weights
+        else:
+            two += 3 * D * e + 3 * st  # y_j, P read, h written; lse read, rstd + weight written
+    return one, two
+
+
+class BlockReads:
+    """Sources and parameters of a Block model's L reads (no sublayers: the
+    outputs are random, the block sums formed once)."""
+
+    def __init__(self, L, S, T, D, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.L, self.S = L, S
+        outputs = [torch.randn(T, D, generator=g) for _ in range(L)]
+        self.completed = [torch.randn(T, D, generator=g)]  # the embedding, then block sums
+        self.partial = {}  # (k, j) -> partial sum the read at (k, j) sees
+        for k in range(-(-L // S)):
+            acc = None
+            for j in range(S):
+                l = k * S + j
+                if l >= L:
+                    break
+                if acc is not None:
+                    self.partial[(k, j)] = acc
+                acc = outputs[l] if acc is None else acc + outputs[l]
+            if (k + 1) * S <= L:
+                self.completed.append(acc)
+        self.queries = torch.randn(L, D, generator=g) / D ** 0.5
+        self.gains = torch.rand(L, D, generator=g) + 0.5
+
+    def one_call(self):
+        out = None
+        for l, (k, j) in enumerate(schedule(self.L, self.S)):
+            sources = self.completed[: k + 1]
+            if j > 0:
+                sources = [*sources, self.partial[(k, j)]]
+            out = attnres.depth_attention(sources, self.queries[l], self.gains[l])
+        return out
+
+    def two_phase(self, in_place=True):
+        """As DepthStream reads under torch.no_grad: phase 2 writes h into the
+        consumed partial output (in_place), or into a new tensor."""
+        merge = attnres.ops.block_read_merge_inplace if in_place else attnres.block_read_merge
+        out = None
+        for l, (k, j) in enumerate(schedule(self.L, self.S)):
+            if j == 0:
+                last = min(self.L, (k + 1) * self.S)
+                partials, lse = attnres.block_reads(self.completed[: k + 1], self.queries[l:last],
+                                                    self.gains[l:last])
+                out = partials[0]
+            else:
+                out = merge(partials[j], lse[j], self.partial[(k, j)], self.queries[l],
+                            self.gains[l])
+        return out
+
+
+def interleaved(fns, repeats):
+    """Median seconds of each function, run in turn `repeats` times (the
+    order rotated each round, so no variant always runs first)."""
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def part_reads(T, D, repeats, out):
+    out.append(f"## Reads of a Block model: fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
+    out.append("Bytes per token counted from the ops' inputs and outputs (docs/design.md §10); "
+               "time as the ratio of medians over interleaved runs.\n")
+    out.append("| L | S | one-call KiB/token | two-phase KiB/token | bytes ratio | time ratio "
+               "(two-phase / one-call) | time ratio, merge into a new tensor | "
+               "max abs diff of the last h |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    with torch.no_grad():
+        for L in (12, 32, 64):
+            for S in (2, 4, 8):
+                model = BlockReads(L, S, T, D)
+                diff = (model.one_call() - model.two_phase()).abs().max().item()
+                med = interleaved({"one": model.one_call, "two": model.two_phase,
+                                   "two_new": lambda: model.two_phase(in_place=False)}, repeats)
+                one_b, two_b = row_counts(L, S, D)
+                out.append(f"| {L} | {S} | {one_b / 1024:.1f} | {two_b / 1024:.1f} | "
+                           f"{two_b / one_b:.3f} | {med['two'] / med['one']:.3f} | "
+                           f"{med['two_new'] / med['one']:.3f} | {diff:.1e} |")
+                print(out[-1], flush=True)
+                del model
+
+
+# ---- part 2: the example GPT's inference forward ---------------------------------------
+
+
+def part_gpt(n_layers, D, B, T, S, repeats, out):
+    variants = {
+        "standard": dict(residual="standard"),
+        "full": dict(residual="full"),
+        "block one-call": dict(residual="block", block_reads="one_call"),
+        "block auto": dict(residual="block", block_reads="auto"),
+        "block two-phase": dict(residual="block", block_reads="two_phase"),
+    }
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for name, kw in variants.items():
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
+                        n_heads=max(1, D // 64), block_size=S, **kw)
+        models[name] = GPT(cfg).eval()
+    logits = {}
+    with torch.no_grad():
+        for name, m in models.items():
+            logits[name] = m(idx)[0]  # also: the Block readers learn their order
+        fns = {name: (lambda m=m: m(idx)) for name, m in models.items()}
+        med = interleaved(fns, repeats)
+    diff = (logits["block two-phase"] - logits["block one-call"]).abs().max().item()
+    out.append(f"\n## Example GPT inference forward (torch.no_grad): {n_layers} layers "
+               f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
+    out.append("| variant | time / standard | time / Block one-call |")
+    out.append("|---|---:|---:|")
+    for name in variants:
+        out.append(f"| {name} | {med[name] / med['standard']:.3f} | "
+                   f"{med[name] / med['block one-call']:.3f} |")
+    out.append(f"\nmax |logits(two-phase) - logits(one-call)| = {diff:.1e}; {repeats} interleaved "
+               "repeats, medians.")
+    print("\n".join(out[-len(variants) - 4:]), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (dry run)")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    machine = cpu_name()
+    T = 128 if args.quick else 2048
+    repeats = 2 if args.quick else args.repeats
+    out = [f"# Two-phase vs one-call Block reads, CPU\n",
+           f"Machine: {machine}; torch {torch.__version__}; "
+           f"command: `python benchmarks/block_reads.py{' --quick' if args.quick else ''}`\n"]
+    load_before = os.getloadavg()
+    part_reads(T, 1024, repeats, out)
+    if args.quick:
+        part_gpt(2, 64, 2, 32, 2, repeats, out)
+    else:
+        part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
+    load_after = os.getloadavg()
+    out.append(f"\nLoad average (1, 5, 15 min) at the start: "
+               f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "
+               f"{', '.join(f'{x:.1f}' for x in load_after)} (the VM is shared; other jobs ran).")
+    if not args.quick:
+        stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
+        path = RESULTS / f"block_reads_{stem}.md"
+        path.write_text("\n".join(out) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

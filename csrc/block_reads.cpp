@@ -1,0 +1,677 @@
+// Two-phase Block reads (docs/design.md §10): argument checks, the host
+// sequence around the CPU kernels (cpu/block_reads_cpu.cpp), the CPU and
+// CUDA registrations, the C++ autograd and the C++ API of block_reads.h.
+// The schemas are in the one TORCH_LIBRARY block (ops.cpp).
+#include "attnres/block_reads.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "attnres/arguments.h"
+#include "cpu/block_reads_cpu.h"
+
+namespace attnres {
+namespace {
+
+bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Python's name of a dtype ("torch.float32"), as the fake kernels print it.
+std::string py_dtype(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
+
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A statistic [lead...] / [k, lead...] in the accumulation dtype on the
+// sources' device.
+void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType acc,
+                const at::Tensor& src0) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
+  check_dense(t, name);
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", py_dtype(acc), ", got ",
+                   py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == src0.device(), name, " must be on the sources' device");
+}
+
+// A tensor with the shape, dtype and device of `like` (owner: "block_sum's",
+// "the sources'").
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
+                const char* like_name) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
+  check_dense(t, name);
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have ", like_name, " shape ",
+                    like.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name,
+                   " dtype ", py_dtype(like.scalar_type()), ", got ", py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like_name, " device");
+}
+
+std::vector<int64_t> with_front(std::vector<int64_t> front, const std::vector<int64_t>& lead) {
+  front.insert(front.end(), lead.begin(), lead.end());
+  return front;
+}
+
+// queries [S, D] and norm_weights (the queries' shape), then the sources
+// and the first reader's parameters with depth_attention's checks.
+DepthProblem check_block_reads_args(at::TensorList sources, const at::Tensor& queries,
+                                    const std::optional<at::Tensor>& norm_weights, double eps,
+                                    double scale) {
+  TORCH_CHECK_VALUE(queries.defined(), "queries must be a tensor [S, D]");
+  check_dense(queries, "queries");
+  TORCH_CHECK_VALUE(queries.dim() == 2 && queries.size(0) >= 1,
+                    "queries must have shape [S, D] (one query per reader, S >= 1), got ",
+                    queries.sizes());
+  if (!sources.empty() && sources[0].defined() && sources[0].dim() >= 1) {
+    TORCH_CHECK_VALUE(queries.size(1) == sources[0].size(-1), "queries must have shape [S, D] = [",
+                      queries.size(0), ", ", sources[0].size(-1), "], got ", queries.sizes());
+  }
+  std::optional<at::Tensor> gain0;
+  if (is_defined(norm_weights)) {
+    check_dense(*norm_weights, "norm_weights");
+    TORCH_CHECK_VALUE(norm_weights->sizes() == queries.sizes(),
+                      "norm_weights must have the queries' shape ", queries.sizes(), ", got ",
+                      norm_weights->sizes());
+    gain0 = norm_weights->select(0, 0);
+  }
+  return check_forward_args(sources, queries.select(0, 0), gain0, eps, scale);
+}
+
+DepthProblem check_merge_args(const at::Tensor& partial_out, const at::Tensor& lse,
+                              const at::Tensor& block_sum, const at::Tensor& query,
+                              const std::optional<at::Tensor>& norm_weight, double eps,
+                              double scale) {
+  TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
+  const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, eps, scale);
+  check_like(partial_out, "partial_out", block_sum, "block_sum's");
+  check_stat(lse, "lse", p.lead_shape, acc_dtype_for(block_sum.scalar_type()), block_sum);
+  return p;
+}
+
+void check_mask(const c10::List<bool>& mask, size_t expected, const char* what) {
+  TORCH_CHECK_VALUE(mask.size() == expected, "output_mask must have ", expected, " entries (",
+                    what, "), got ", mask.size());
+}
+
+// u = scale * query * gain in the accumulation dtype ([D] or [S, D]).
+at::Tensor effective_queries(const at::Tensor& queries, const std::optional<at::Tensor>& gains,
+                             double scale, at::ScalarType acc) {
+  at::Tensor u = queries.to(acc).mul(scale);
+  if (is_defined(gains)) u.mul_(gains->to(acc));
+  return u.contiguous();
+}
+
+// dquery = scale * gain * Z, dgain = scale * query * Z (docs/design.md §2),
+// per reader, in the parameters' dtypes; scale multiplies the parameter
+// first, and scale = 0 gives exact zeros (as op_sequence.cpp does).
+std::pair<at::Tensor, at::Tensor> parameter_grads(const at::Tensor& z, const at::Tensor& queries,
+                                                  const std::optional<at::Tensor>& gains,
+                                                  double scale) {
+  const bool has_gain = is_defined(gains);
+  const auto acc = z.scalar_type();
+  at::Tensor grad_query, grad_gain;
+  if (scale == 0.0) {
+    grad_query = at::zeros_like(z);
+    grad_gain = at::zeros_like(z);
+  } else {
+    grad_query = has_gain ? z.mul(gains->to(acc).mul(scale)) : z.mul(scale);
+    grad_gain = z.mul(queries.to(acc).mul(scale));
+  }
+  return {grad_query.to(queries.scalar_type()),
+          grad_gain.to(has_gain ? gains->scalar_type() : queries.scalar_type())};
+}
+
+// kernels built with AVX2 (ATTNRES_CPU_ARCH=avx2): refuse a CPU without it
+// before any AVX2 instruction runs (this file is built without the flags).
+void check_cpu_capability() {
+#if defined(ATTNRES_CPU_KERNELS_AVX2)
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  TORCH_CHECK(ok,
+              "attnres was built with AVX2 CPU kernels (ATTNRES_CPU_ARCH=avx2) but this CPU "
+              "lacks AVX2/FMA; rebuild with ATTNRES_CPU_ARCH=default");
+#endif
+}
+
+// ---- CPU host sequence -------------------------------------------------------
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd_cpu(
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
+  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
+  check_cpu_capability();
+  const int64_t S = queries.size(0);
+  const at::Tensor& src0 = sources[0];
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  const at::Tensor u = effective_queries(queries, norm_weights, scale, acc);
+  std::vector<at::Tensor> partial_outs;
+  for (int64_t s = 0; s < S; ++s) {
+    partial_outs.push_back(
+        at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous)));
+  }
+  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
+  at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
+  at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
+  if (p.T > 0) {
+    cpu::block_reads_forward({p.N, S, p.D, p.T, sources, u, eps, partial_outs, lse, rstd, weights});
+  }
+  return {partial_outs, lse, rstd, weights};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
+    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, 0.0, scale);
+  const int64_t S = queries.size(0);
+  const at::Tensor& src0 = sources[0];
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  TORCH_CHECK_VALUE(grad_partial_outs.empty() || static_cast<int64_t>(grad_partial_outs.size()) == S,
+                    "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
+                    grad_partial_outs.size());
+  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
+  if (is_defined(grad_lse)) check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), acc, src0);
+  check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
+  check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
+  check_mask(output_mask, p.N + 2, "each source, queries, norm_weights");
+  check_cpu_capability();
+  std::vector<at::Tensor> grads(p.N);
+  for (int64_t i = 0; i < p.N; ++i) {
+    if (output_mask.get(i)) {
+      grads[i] = at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous));
+    }
+  }
+  const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
+  at::Tensor z;
+  if (want_query || want_gain) z = at::zeros({S, p.D}, queries.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_queries(queries, norm_weights, scale, acc);
+    const at::Tensor dlse = is_defined(grad_lse) ? grad_lse->contiguous() : at::Tensor();
+    cpu::block_reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
+                               rstd.contiguous(), weights.contiguous(), grads, z});
+  }
+  at::Tensor grad_queries, grad_gains;
+  if (z.defined()) std::tie(grad_queries, grad_gains) = parameter_grads(z, queries, norm_weights, scale);
+  if (!want_query) grad_queries = at::Tensor();
+  if (!want_gain) grad_gains = at::Tensor();
+  std::vector<at::Tensor> wanted;
+  for (auto& g : grads) {
+    if (g.defined()) wanted.push_back(std::move(g));
+  }
+  return {wanted, grad_queries, grad_gains};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(
+    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
+    double scale) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  check_cpu_capability();
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+  at::Tensor out =
+      at::empty(block_sum.sizes(), block_sum.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor lse_c = lse.contiguous();
+    cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
+  }
+  return {out, rstd, weight};
+}
+
+void block_read_merge_inplace_cpu(const at::Tensor& partial_out, const at::Tensor& lse,
+                                  const at::Tensor& block_sum, const at::Tensor& query,
+                                  const std::optional<at::Tensor>& norm_weight, double eps,
+                                  double scale) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
+                    "partial_out must be contiguous for block_read_merge_inplace (h is written "
+                    "into it)");
+  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
+                    "partial_out and block_sum must be different tensors");
+  check_cpu_capability();
+  if (p.T == 0) return;
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  const at::Tensor lse_c = lse.contiguous();
+  // Each step of the kernel reads y's and P's elements before it stores h's
+  // at the same place, so h may overwrite y.
+  at::Tensor out = partial_out;
+  cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& rstd, const at::Tensor& weight, double scale,
+    const c10::List<bool>& output_mask) {
+  TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
+  const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
+  check_like(grad_out, "grad_out", block_sum, "block_sum's");
+  check_like(partial_out, "partial_out", block_sum, "block_sum's");
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  check_stat(rstd, "rstd", p.lead_shape, acc, block_sum);
+  check_stat(weight, "weight", p.lead_shape, acc, block_sum);
+  check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
+  check_cpu_capability();
+  const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor d_partial, d_lse, d_block, z;
+  if (output_mask.get(0)) d_partial = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (output_mask.get(2)) d_block = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+    cpu::block_read_merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u,
+                                    rstd.contiguous(), weight.contiguous(), d_partial, d_lse,
+                                    d_block, z});
+  }
+  at::Tensor grad_query, grad_gain;
+  if (z.defined()) std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
+  if (!output_mask.get(3)) grad_query = at::Tensor();
+  if (!output_mask.get(4)) grad_gain = at::Tensor();
+  return {d_partial, d_lse, d_block, grad_query, grad_gain};
+}
+
+// ---- CUDA: no kernels yet ----------------------------------------------------
+
+[[noreturn]] void no_cuda_kernel(const char* op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "attnres::", op,
+                              " has no CUDA kernel yet: two-phase Block reads run on CPU only "
+                              "(attnres.DepthStream keeps one-call reads on CUDA; "
+                              "docs/design.md §10)");
+}
+
+// ---- autograd ------------------------------------------------------------------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Signature, typename... Args>
+auto call_below_autograd(const char* name, Args&&... args) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
+using BlockReadsFwdSig = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>(
+    at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&, double, double);
+using BlockReadsBwdSig = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>(
+    at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
+    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
+    const c10::List<bool>&);
+using MergeFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const std::optional<at::Tensor>&, double, double);
+using MergeBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
+    const c10::List<bool>&);
+
+[[noreturn]] void no_double_backward(const char* what) {
+  TORCH_CHECK(false, "attnres: second derivatives of ", what,
+              " are not implemented (double backward / create_graph=True through its "
+              "gradient)");
+}
+
+// The backward ops' nodes: first derivatives only.
+class BlockReadsBackwardFunction : public torch::autograd::Function<BlockReadsBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, at::TensorList grad_partial_outs,
+                               const std::optional<at::Tensor>& grad_lse, at::TensorList sources,
+                               const at::Tensor& queries,
+                               const std::optional<at::Tensor>& norm_weights,
+                               const at::Tensor& rstd, const at::Tensor& weights, double scale,
+                               const c10::List<bool>& output_mask) {
+    auto [wanted, grad_queries, grad_gains] = call_below_autograd<BlockReadsBwdSig>(
+        "attnres::block_reads_bwd", grad_partial_outs, grad_lse, sources, queries, norm_weights,
+        rstd, weights, scale, output_mask);
+    const size_t n = sources.size();
+    if (output_mask.get(n)) wanted.push_back(grad_queries);
+    if (output_mask.get(n + 1)) wanted.push_back(grad_gains);
+    return wanted;
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("block_reads");
+  }
+};
+
+class MergeBackwardFunction : public torch::autograd::Function<MergeBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const at::Tensor& grad_out,
+                               const at::Tensor& partial_out, const at::Tensor& block_sum,
+                               const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+                               const at::Tensor& rstd, const at::Tensor& weight, double scale,
+                               const c10::List<bool>& output_mask) {
+    auto [a, b, c, d, e] = call_below_autograd<MergeBwdSig>(
+        "attnres::block_read_merge_bwd", grad_out, partial_out, block_sum, query, norm_weight,
+        rstd, weight, scale, output_mask);
+    variable_list wanted;
+    for (const auto& t : {a, b, c, d, e}) {
+      if (t.defined()) wanted.push_back(t);
+    }
+    return wanted;
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("block_read_merge");
+  }
+};
+
+variable_list expand_masked(const variable_list& wanted, const c10::List<bool>& mask) {
+  variable_list all(mask.size());
+  size_t next = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (mask.get(i)) all[i] = wanted[next++];
+  }
+  return all;
+}
+
+class BlockReadsFunction : public torch::autograd::Function<BlockReadsFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::TensorList sources,
+                               const at::Tensor& queries,
+                               const std::optional<at::Tensor>& norm_weights, double eps,
+                               double scale) {
+    auto [partial_outs, lse, rstd, weights] = call_below_autograd<BlockReadsFwdSig>(
+        "attnres::block_reads_fwd", sources, queries, norm_weights, eps, scale);
+    variable_list saved(sources.begin(), sources.end());
+    saved.push_back(queries);
+    saved.push_back(norm_weights.value_or(at::Tensor()));
+    saved.push_back(rstd);
+    saved.push_back(weights);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["has_gain"] = is_defined(norm_weights);
+    ctx->mark_non_differentiable({rstd, weights});
+    ctx->set_materialize_grads(false);
+    variable_list out(partial_outs.begin(), partial_outs.end());
+    out.push_back(lse);
+    out.push_back(rstd);
+    out.push_back(weights);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const size_t n = saved.size() - 4;
+    const std::vector<at::Tensor> sources(saved.begin(), saved.begin() + n);
+    const at::Tensor& queries = saved[n];
+    const at::Tensor& norm_weights = saved[n + 1];
+    const at::Tensor& rstd = saved[n + 2];
+    const at::Tensor& weights = saved[n + 3];
+    const size_t S = static_cast<size_t>(queries.size(0));
+    c10::List<bool> mask;
+    for (size_t i = 0; i < n + 1; ++i) mask.push_back(ctx->needs_input_grad(i));
+    mask.push_back(ctx->saved_data["has_gain"].toBool() && ctx->needs_input_grad(n + 1));
+    variable_list result(n + 4);  // sources..., queries, norm_weights, eps, scale
+    // The partial outputs' gradients: all S, zeros for the unused ones, or
+    // none at all.
+    bool any_partial = false;
+    for (size_t s = 0; s < S; ++s) any_partial = any_partial || grads[s].defined();
+    const at::Tensor& grad_lse = grads[S];
+    if (!any_partial && !grad_lse.defined()) return result;
+    std::vector<at::Tensor> grad_partials;
+    if (any_partial) {
+      for (size_t s = 0; s < S; ++s) {
+        grad_partials.push_back(grads[s].defined() ? grads[s] : at::zeros_like(sources[0]));
+      }
+    }
+    const variable_list computed = expand_masked(
+        BlockReadsBackwardFunction::apply(at::TensorList(grad_partials), defined_or_none(grad_lse),
+                                          at::TensorList(sources), queries,
+                                          defined_or_none(norm_weights), rstd, weights,
+                                          ctx->saved_data["scale"].toDouble(), mask),
+        mask);
+    for (size_t i = 0; i < n + 2; ++i) result[i] = computed[i];
+    return result;
+  }
+};
+
+class MergeFunction : public torch::autograd::Function<MergeFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& partial_out,
+                               const at::Tensor& lse, const at::Tensor& block_sum,
+                               const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+                               double eps, double scale) {
+    auto [out, rstd, weight] = call_below_autograd<MergeFwdSig>(
+        "attnres::block_read_merge_fwd", partial_out, lse, block_sum, query, norm_weight, eps,
+        scale);
+    ctx->save_for_backward({partial_out, block_sum, query, norm_weight.value_or(at::Tensor()),
+                            rstd, weight});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["has_gain"] = is_defined(norm_weight);
+    ctx->mark_non_differentiable({rstd, weight});
+    ctx->set_materialize_grads(false);
+    return {out, rstd, weight};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    c10::List<bool> mask;
+    for (size_t i = 0; i < 4; ++i) mask.push_back(ctx->needs_input_grad(i));
+    mask.push_back(ctx->saved_data["has_gain"].toBool() && ctx->needs_input_grad(4));
+    variable_list result(7);  // partial_out, lse, block_sum, query, norm_weight, eps, scale
+    if (!grads[0].defined()) return result;
+    const variable_list computed = expand_masked(
+        MergeBackwardFunction::apply(grads[0], saved[0], saved[1], saved[2],
+                                     defined_or_none(saved[3]), saved[4], saved[5],
+                                     ctx->saved_data["scale"].toDouble(), mask),
+        mask);
+    for (size_t i = 0; i < 5; ++i) result[i] = computed[i];
+    return result;
+  }
+};
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd_autograd(
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
+  check_dense_inputs(sources, "sources");
+  check_dense(queries, "queries");
+  if (is_defined(norm_weights)) check_dense(*norm_weights, "norm_weights");
+  variable_list out = BlockReadsFunction::apply(sources, queries, norm_weights, eps, scale);
+  const size_t S = out.size() - 3;
+  std::vector<at::Tensor> partials(out.begin(), out.begin() + S);
+  return {partials, out[S], out[S + 1], out[S + 2]};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_autograd(
+    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+  check_dense_inputs(sources, "sources");
+  check_dense_inputs(grad_partial_outs, "grad_partial_outs");
+  check_dense(queries, "queries");
+  check_mask(output_mask, sources.size() + 2, "each source, queries, norm_weights");
+  variable_list grads = BlockReadsBackwardFunction::apply(
+      grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd, weights, scale,
+      output_mask);
+  const size_t n = sources.size();
+  at::Tensor grad_gains, grad_queries;
+  if (output_mask.get(n + 1)) {
+    grad_gains = grads.back();
+    grads.pop_back();
+  }
+  if (output_mask.get(n)) {
+    grad_queries = grads.back();
+    grads.pop_back();
+  }
+  return {std::vector<at::Tensor>(grads.begin(), grads.end()), grad_queries, grad_gains};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_autograd(
+    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
+    double scale) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&partial_out, "partial_out"},
+                                {&lse, "lse"}, {&block_sum, "block_sum"}, {&query, "query"}}) {
+    if (t->defined()) check_dense(*t, name);
+  }
+  if (is_defined(norm_weight)) check_dense(*norm_weight, "norm_weight");
+  const variable_list out =
+      MergeFunction::apply(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  return {out[0], out[1], out[2]};
+}
+
+void block_read_merge_inplace_autograd(const at::Tensor& partial_out, const at::Tensor& lse,
+                                       const at::Tensor& block_sum, const at::Tensor& query,
+                                       const std::optional<at::Tensor>& norm_weight, double eps,
+                                       double scale) {
+  const bool wants_grad =
+      at::GradMode::is_enabled() &&
+      (partial_out.requires_grad() || lse.requires_grad() || block_sum.requires_grad() ||
+       query.requires_grad() || (is_defined(norm_weight) && norm_weight->requires_grad()));
+  TORCH_CHECK(!wants_grad,
+              "attnres::block_read_merge_inplace has no derivative (it overwrites the partial "
+              "output its backward would need); use block_read_merge_fwd when gradients are "
+              "wanted");
+  call_below_autograd<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const std::optional<at::Tensor>&, double, double)>(
+      "attnres::block_read_merge_inplace", partial_out, lse, block_sum, query, norm_weight, eps,
+      scale);
+  torch::autograd::increment_version(partial_out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_autograd(
+    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& rstd, const at::Tensor& weight, double scale,
+    const c10::List<bool>& output_mask) {
+  check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
+  const variable_list wanted = MergeBackwardFunction::apply(
+      grad_out, partial_out, block_sum, query, norm_weight, rstd, weight, scale, output_mask);
+  const variable_list all = expand_masked(wanted, output_mask);
+  return {all[0], all[1], all[2], all[3], all[4]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  m.impl("block_reads_fwd", &block_reads_fwd_cpu);
+  m.impl("block_reads_bwd", &block_reads_bwd_cpu);
+  m.impl("block_read_merge_fwd", &block_read_merge_fwd_cpu);
+  m.impl("block_read_merge_bwd", &block_read_merge_bwd_cpu);
+  m.impl("block_read_merge_inplace", &block_read_merge_inplace_cpu);
+}
+
+TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
+  m.impl("block_reads_fwd", [](at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&,
+                               double, double)
+             -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> {
+    no_cuda_kernel("block_reads_fwd");
+  });
+  m.impl("block_reads_bwd",
+         [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
+            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
+            const c10::List<bool>&) -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> {
+           no_cuda_kernel("block_reads_bwd");
+         });
+  m.impl("block_read_merge_fwd",
+         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const std::optional<at::Tensor>&, double,
+            double) -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+           no_cuda_kernel("block_read_merge_fwd");
+         });
+  m.impl("block_read_merge_bwd",
+         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
+            const c10::List<bool>&)
+             -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+           no_cuda_kernel("block_read_merge_bwd");
+         });
+  m.impl("block_read_merge_inplace",
+         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const std::optional<at::Tensor>&, double, double) {
+           no_cuda_kernel("block_read_merge_inplace");
+         });
+}
+
+TORCH_LIBRARY_IMPL(attnres, Autograd, m) {
+  m.impl("block_reads_fwd", &block_reads_fwd_autograd);
+  m.impl("block_reads_bwd", &block_reads_bwd_autograd);
+  m.impl("block_read_merge_fwd", &block_read_merge_fwd_autograd);
+  m.impl("block_read_merge_bwd", &block_read_merge_bwd_autograd);
+  m.impl("block_read_merge_inplace", &block_read_merge_inplace_autograd);
+}
+
+// ---- C++ API ---------------------------------------------------------------------
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd(
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_reads_fwd", "")
+                       .typed<BlockReadsFwdSig>();
+  return op.call(sources, queries, norm_weights, eps, scale);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd(
+    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_reads_bwd", "")
+                       .typed<BlockReadsBwdSig>();
+  return op.call(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd, weights,
+                 scale, output_mask);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd(
+    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
+    double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_read_merge_fwd", "")
+                       .typed<MergeFwdSig>();
+  return op.call(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd(
+    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& rstd, const at::Tensor& weight, double scale,
+    const c10::List<bool>& output_mask) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_read_merge_bwd", "")
+                       .typed<MergeBwdSig>();
+  return op.call(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight, scale,
+                 output_mask);
+}
+
+void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                              const at::Tensor& block_sum, const at::Tensor& query,
+                              const std::optional<at::Tensor>& norm_weight, double eps,
+                              double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::block_read_merge_inplace", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const std::optional<at::Tensor>&, double,
+                                   double)>();
+  op.call(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads(
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
+  auto [partials, lse, rstd, weights] = block_reads_fwd(sources, queries, norm_weights, eps, scale);
+  return {partials, lse};
+}
+
+at::Tensor block_read_merge(const at::Tensor& partial_out, const at::Tensor& lse,
+                            const at::Tensor& block_sum, const at::Tensor& query,
+                            const std::optional<at::Tensor>& norm_weight, double eps,
+                            double scale) {
+  return std::get<0>(block_read_merge_fwd(partial_out, lse, block_sum, query, norm_weight, eps, scale));
+}
+
+}  // namespace attnres

@@ -1,0 +1,607 @@
+// CPU kernels of the two-phase Block reads (docs/design.md §10): phase 1
+// reads each completed source row from memory once per token for all S
+// readers of a block (a score sweep, then a weighted-sum sweep of the
+// token's rows from L2); phase 2 merges one reader's partial state with the
+// partial block sum. Built with the vector ISA flags (CMakeLists.txt); the per-token math
+// (OnlineSoftmax, scores, gradient coefficients, range rescue) is
+// attnres/depth_math.h, the same as the one-call kernels'. Tokens run in
+// parallel with at::parallel_for; all accumulation is in fp32 (fp64 for
+// fp64 sources).
+#include "block_reads_cpu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+
+#include "attnres/depth_math.h"
+#include "attnres/row_layout.h"
+
+namespace attnres {
+namespace cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// One step of a row as accumulation-dtype vectors: one vector for
+// float/double, two float vectors for bf16/fp16.
+template <typename scalar_t>
+struct Lanes {
+  using acc_t = at::opmath_type<scalar_t>;
+  using AVec = Vectorized<acc_t>;
+  static constexpr bool kReduced = at::vec::is_reduced_floating_point_v<scalar_t>;
+  static constexpr int kParts = kReduced ? 2 : 1;
+  static constexpr int64_t kStep = AVec::size() * kParts;
+
+  static void load(const scalar_t* p, AVec (&v)[kParts]) {
+    if constexpr (kReduced) {
+      at::vec::load_to_float<scalar_t>(p, v[0], v[1]);
+    } else {
+      v[0] = AVec::loadu(p);
+    }
+  }
+  static void store(scalar_t* p, const AVec (&v)[kParts]) {
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
+    } else {
+      v[0].store(p);
+    }
+  }
+};
+
+template <typename acc_t>
+acc_t hsum(const Vectorized<acc_t>& v) {
+  return at::vec::vec_reduce_all<acc_t>(
+      [](Vectorized<acc_t>& a, Vectorized<acc_t>& b) { return a + b; }, v);
+}
+
+// Prefetch distance of the sweeps that read a row from memory (the one-call
+// kernels' measured best, kernels_cpu.cpp).
+constexpr int64_t kPrefetchBytes = 2048;
+// Readers whose dot products one sweep forms (registers: 2 chains each).
+constexpr int kGroup = 4;
+
+// G dot products <y_g, v> (and, with kSquares, <v, v>) of one row in one
+// sweep; two FMA chains per reduction.
+template <int G, bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_dots(const scalar_t* v, const acc_t* const* y, int64_t D, acc_t& sumsq, acc_t* dots) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  AVec sq[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
+  AVec d[G][2];
+  for (int g = 0; g < G; ++g) d[g][0] = d[g][1] = AVec(acc_t(0));
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
+    AVec vv[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int c = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
+      const int64_t o = j + k * AVec::size();
+      if constexpr (kSquares) sq[c] = at::vec::fmadd(vv[k], vv[k], sq[c]);
+      for (int g = 0; g < G; ++g) d[g][c] = at::vec::fmadd(AVec::loadu(y[g] + o), vv[k], d[g][c]);
+    }
+  }
+  acc_t s2 = hsum(sq[0] + sq[1]);
+  for (int g = 0; g < G; ++g) dots[g] = hsum(d[g][0] + d[g][1]);
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    if constexpr (kSquares) s2 += vj * vj;
+    for (int g = 0; g < G; ++g) dots[g] += y[g][j] * vj;
+  }
+  if constexpr (kSquares) sumsq = s2;
+}
+
+// dots[g] = <y_g, v> for count >= 1 vectors, kGroup per sweep (the first
+// sweep reads the row from memory, the others from L1); sumsq = <v, v> from
+// the first sweep when kSquares.
+template <bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_many_dots(const scalar_t* v, const acc_t* const* y, int64_t count, int64_t D,
+                   acc_t& sumsq, acc_t* dots) {
+  acc_t unused;
+  for (int64_t g0 = 0; g0 < count; g0 += kGroup) {
+    const int64_t n = std::min<int64_t>(kGroup, count - g0);
+    acc_t& sq = g0 == 0 ? sumsq : unused;
+    const bool squares = kSquares && g0 == 0;
+    switch (n) {
+#define ATTNRES_DOTS_CASE(G)                                                       \
+  case G:                                                                          \
+    if (squares) row_dots<G, true>(v, y + g0, D, sq, dots + g0);                   \
+    else row_dots<G, false>(v, y + g0, D, sq, dots + g0);                          \
+    break;
+      ATTNRES_DOTS_CASE(1)
+      ATTNRES_DOTS_CASE(2)
+      ATTNRES_DOTS_CASE(3)
+      ATTNRES_DOTS_CASE(4)
+#undef ATTNRES_DOTS_CASE
+      default:
+        TORCH_INTERNAL_ASSERT(false, "row_many_dots: no vector to dot with");
+    }
+  }
+}
+
+// out_g = sum_i w[g * N + i] * v_i for G readers in one sweep over the N
+// rows of a token (from L2: the score sweep has just read them), the G
+// accumulators in registers and each output row written once. The weights
+// are the final softmax weights (sum 1), so no accumulator exceeds the
+// largest |v| (the point of the normalized online form, docs/design.md §8)
+// and no per-source rescaling is needed.
+template <int G, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const acc_t* w,
+                       int64_t N, int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec acc[G][L::kParts];
+    for (int g = 0; g < G; ++g) {
+      for (int k = 0; k < L::kParts; ++k) acc[g][k] = AVec(acc_t(0));
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      AVec vv[L::kParts];
+      L::load(rows[i] + j, vv);
+      for (int g = 0; g < G; ++g) {
+        const AVec wv(w[g * N + i]);
+        for (int k = 0; k < L::kParts; ++k) acc[g][k] = at::vec::fmadd(wv, vv[k], acc[g][k]);
+      }
+    }
+    for (int g = 0; g < G; ++g) L::store(out[g] + j, acc[g]);
+  }
+  for (; j < D; ++j) {
+    for (int g = 0; g < G; ++g) {
+      acc_t a = 0;
+      for (int64_t i = 0; i < N; ++i) a += w[g * N + i] * static_cast<acc_t>(rows[i][j]);
+      out[g][j] = static_cast<scalar_t>(a);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void rows_weighted_sum_many(scalar_t* const* out, const scalar_t* const* rows, const acc_t* w,
+                            int64_t count, int64_t N, int64_t D) {
+  for (int64_t g0 = 0; g0 < count; g0 += kGroup) {
+    const acc_t* wg = w + g0 * N;
+    switch (std::min<int64_t>(kGroup, count - g0)) {
+      case 1: rows_weighted_sum<1>(out + g0, rows, wg, N, D); break;
+      case 2: rows_weighted_sum<2>(out + g0, rows, wg, N, D); break;
+      case 3: rows_weighted_sum<3>(out + g0, rows, wg, N, D); break;
+      default: rows_weighted_sum<4>(out + g0, rows, wg, N, D); break;
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_load(acc_t* dst, const scalar_t* src, int64_t D) {
+  for (int64_t j = 0; j < D; ++j) dst[j] = static_cast<acc_t>(src[j]);
+}
+
+// rstd and the scores of one row for `count` effective queries, rescued
+// (depth_math.h: a power-of-two multiple of the row) when the plain sums are
+// out of range. Rare, so the rescue is scalar.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int64_t D,
+                    acc_t eps, acc_t& r, acc_t* scores) {
+  acc_t sumsq = 0;
+  row_many_dots<true>(v, u, count, D, sumsq, scores);
+  bool rescue = math::row_needs_rescale(sumsq, acc_t(0), eps);
+  for (int64_t g = 0; g < count; ++g) {
+    rescue = rescue || math::row_needs_rescale(sumsq, scores[g], eps);
+  }
+  if (!rescue) {
+    r = math::rstd_from_sumsq(sumsq, D, eps);
+    for (int64_t g = 0; g < count; ++g) scores[g] = math::score(r, scores[g]);
+    return;
+  }
+  const acc_t c = math::rescale_factor(sumsq);
+  acc_t sumsq_c = 0;
+  for (int64_t j = 0; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]) * c;
+    sumsq_c += vj * vj;
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    acc_t dot_c = 0;
+    for (int64_t j = 0; j < D; ++j) dot_c += u[g][j] * (static_cast<acc_t>(v[j]) * c);
+    math::rescaled_stats(sumsq_c, dot_c, c, D, eps, r, scores[g]);
+  }
+}
+
+// Rows of a tensor [..., D] (strided rows used in place; as_rows copies the
+// layouts that do not collapse).
+template <typename scalar_t>
+struct RowsOf {
+  Rows rows;
+  const scalar_t* ptr;
+  explicit RowsOf(const at::Tensor& t) : rows(as_rows(t)) {
+    ptr = rows.tensor.template const_data_ptr<scalar_t>();
+  }
+  const scalar_t* row(int64_t t) const { return ptr + t * rows.row_stride; }
+};
+
+// Token chunks of the parameter-gradient partial sums: fixed by the shape
+// only (never by the thread count), so the fixed-order sum of the chunks'
+// rows is bitwise reproducible. At most ~16 MiB of partial rows.
+struct Chunks {
+  int64_t size, count;
+};
+Chunks z_chunks(int64_t T, int64_t row_values, int64_t acc_size) {
+  constexpr int64_t kMinTokens = 64;
+  const int64_t most = std::max<int64_t>(1, (16 << 20) / (row_values * acc_size));
+  const int64_t count = std::clamp<int64_t>((T + kMinTokens - 1) / kMinTokens, 1, most);
+  const int64_t size = (T + count - 1) / count;
+  return {size, (T + size - 1) / size};
+}
+
+// z = sum of the chunks' rows, in chunk order.
+template <typename acc_t>
+void sum_chunks(const std::vector<acc_t>& partial, int64_t count, int64_t row_values, acc_t* z) {
+  for (int64_t j = 0; j < row_values; ++j) z[j] = acc_t(0);
+  for (int64_t c = 0; c < count; ++c) {
+    const acc_t* p = partial.data() + c * row_values;
+    for (int64_t j = 0; j < row_values; ++j) z[j] += p[j];
+  }
+}
+
+// ---- phase 1 ----------------------------------------------------------------
+
+// Tokens per tile of the phase-1 forward: about 256 KiB of source rows, which
+// the weighted-sum sweeps re-read from L2 after the score sweep.
+template <typename scalar_t>
+int64_t phase1_tile(int64_t N, int64_t D) {
+  return std::clamp<int64_t>((256 * 1024) / (N * D * int64_t(sizeof(scalar_t))), 1, 16);
+}
+
+template <typename scalar_t>
+void block_reads_forward_impl(const BlockReadsForwardCall& call) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = call.N, S = call.S, D = call.D, T = call.T;
+  const acc_t eps = static_cast<acc_t>(call.eps);
+  std::vector<RowsOf<scalar_t>> src;
+  src.reserve(N);
+  for (const auto& s : call.sources) src.emplace_back(s);
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  std::vector<const acc_t*> u_rows(S);
+  for (int64_t s = 0; s < S; ++s) u_rows[s] = u + s * D;
+  std::vector<scalar_t*> out_p(S);
+  for (int64_t s = 0; s < S; ++s) out_p[s] = call.partial_outs[s].data_ptr<scalar_t>();
+  acc_t* lse_p = call.lse.data_ptr<acc_t>();
+  acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
+  acc_t* w_p = call.weights.data_ptr<acc_t>();
+
+  const int64_t tile = phase1_tile<scalar_t>(N, D);
+  at::parallel_for(0, T, tile, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N);
+    std::vector<const scalar_t*> rows(N);
+    std::vector<scalar_t*> out_rows(S);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
+      const int64_t n_tok = std::min(tile, t_end - t0);
+      // Sweep 1, from memory, source-major over the tile (its rows of one
+      // source are adjacent: one long stream): rstd_i and every reader's
+      // score s_{s,i}.
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t k = 0; k < n_tok; ++k) {
+          const int64_t t = t0 + k;
+          acc_t r;
+          row_stats_many(src[i].row(t), u_rows.data(), S, D, eps, r, sc.data());
+          rstd_p[i * T + t] = r;
+          for (int64_t s = 0; s < S; ++s) scores[(k * S + s) * N + i] = sc[s];
+        }
+      }
+      for (int64_t k = 0; k < n_tok; ++k) {
+        const int64_t t = t0 + k;
+        const acc_t* score = scores.data() + k * S * N;
+        // Per reader: the OnlineSoftmax state over the N scores, its lse
+        // and weights (a NaN score poisons them all, as in the one-call
+        // read).
+        for (int64_t s = 0; s < S; ++s) {
+          math::OnlineSoftmax<acc_t> st;
+          st.init(score[s * N]);
+          acc_t keep, take;
+          for (int64_t i = 1; i < N; ++i) st.push(score[s * N + i], keep, take);
+          lse_p[s * T + t] = st.log_sum_exp();
+          const acc_t nan_if_poisoned = st.out_factor();
+          for (int64_t i = 0; i < N; ++i) {
+            w[s * N + i] = st.weight(score[s * N + i]) * nan_if_poisoned;
+            w_p[(s * N + i) * T + t] = w[s * N + i];
+          }
+          out_rows[s] = out_p[s] + t * D;
+        }
+        // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
+        for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
+        rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
+      }
+    }
+  });
+}
+
+// dv_i = B v + sum_s (a_s dy_s + alpha_s u_s) (written when dv), and
+// z_s += alpha_s v (when z): the phase-1 gradient of one source row, all
+// readers at once.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_block_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* const* dy,
+                           const acc_t* const* u, const acc_t* a, const acc_t* alpha, acc_t B,
+                           int64_t S, acc_t* z, int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec vv[L::kParts], out[L::kParts];
+    L::load(v + j, vv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t o = j + k * AVec::size();
+      AVec g = AVec(B) * vv[k];
+      for (int64_t s = 0; s < S; ++s) {
+        if (dy) g = at::vec::fmadd(AVec(a[s]), AVec::loadu(dy[s] + o), g);
+        g = at::vec::fmadd(AVec(alpha[s]), AVec::loadu(u[s] + o), g);
+        if (z) {
+          acc_t* zs = z + s * D + o;
+          at::vec::fmadd(AVec(alpha[s]), vv[k], AVec::loadu(zs)).store(zs);
+        }
+      }
+      out[k] = g;
+    }
+    if (dv) L::store(dv + j, out);
+  }
+  for (; j < D; ++j) {
+    const acc_t vj = static_cast<acc_t>(v[j]);
+    acc_t g = B * vj;
+    for (int64_t s = 0; s < S; ++s) {
+      if (dy) g += a[s] * dy[s][j];
+      g += alpha[s] * u[s][j];
+      if (z) z[s * D + j] += alpha[s] * vj;
+    }
+    if (dv) dv[j] = static_cast<scalar_t>(g);
+  }
+}
+
+template <typename scalar_t>
+void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t N = call.N, S = call.S, D = call.D, T = call.T;
+  std::vector<RowsOf<scalar_t>> src;
+  src.reserve(N);
+  for (const auto& s : call.sources) src.emplace_back(s);
+  std::vector<RowsOf<scalar_t>> dy_src;
+  for (const auto& g : call.grad_partial_outs) dy_src.emplace_back(g);
+  const bool has_dy = !dy_src.empty();
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
+  const acc_t* dlse_p = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<acc_t>() : nullptr;
+  std::vector<scalar_t*> dv_p(N, nullptr);
+  for (int64_t i = 0; i < N; ++i) {
+    if (call.grad_sources[i].defined()) dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
+  }
+  const bool want_z = call.z.defined();
+  const Chunks chunks = z_chunks(T, S * D, sizeof(acc_t));
+  std::vector<acc_t> partial(want_z ? chunks.count * S * D : 0, acc_t(0));
+
+  at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<acc_t> dy(has_dy ? S * D : 0), dots(2 * S), dp(S * N), su(S * N);
+    std::vector<acc_t> coef_a(N * S), coef_alpha(N * S), coef_beta(N);
+    // The vectors each sweep dots the row with: (dy_s, u_s) per reader, or
+    // u_s alone without dy.
+    std::vector<const acc_t*> with(2 * S), dy_rows(S), u_rows(S);
+    for (int64_t s = 0; s < S; ++s) {
+      u_rows[s] = u + s * D;
+      dy_rows[s] = has_dy ? dy.data() + s * D : nullptr;
+      if (has_dy) {
+        with[2 * s] = dy_rows[s];
+        with[2 * s + 1] = u_rows[s];
+      } else {
+        with[s] = u_rows[s];
+      }
+    }
+    const int64_t n_with = has_dy ? 2 * S : S;
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      acc_t* z = want_z ? partial.data() + c * S * D : nullptr;
+      const int64_t t_end = std::min(T, (c + 1) * chunks.size);
+      for (int64_t t = c * chunks.size; t < t_end; ++t) {
+        for (int64_t s = 0; s < S && has_dy; ++s) row_load(dy.data() + s * D, dy_src[s].row(t), D);
+        // Sweep 1 (from memory): dp_{s,i} = <dy_s, v_i>, <u_s, v_i>.
+        for (int64_t i = 0; i < N; ++i) {
+          acc_t unused;
+          row_many_dots<false>(src[i].row(t), with.data(), n_with, D, unused, dots.data());
+          const acc_t r = rstd_p[i * T + t];
+          for (int64_t s = 0; s < S; ++s) {
+            dp[s * N + i] = has_dy ? dots[2 * s] : acc_t(0);
+            su[s * N + i] = math::score(r, has_dy ? dots[2 * s + 1] : dots[s]);
+          }
+        }
+        // Per reader: ds_{s,i} = a (dp_i - sum_j a_j dp_j + dlse), the sum
+        // pivoted when one weight dominates (depth_math.h).
+        std::fill(coef_beta.begin(), coef_beta.end(), acc_t(0));
+        for (int64_t s = 0; s < S; ++s) {
+          auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
+          math::Pivot<acc_t> pivot;
+          for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
+          const int64_t piv = pivot.pivoted() ? pivot.index : -1;
+          const acc_t dp_piv = piv >= 0 ? dp[s * N + piv] : acc_t(0);
+          acc_t sum_rel = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            if (j != piv) sum_rel += weight(j) * (dp[s * N + j] - dp_piv);
+          }
+          if (dlse_p) sum_rel -= dlse_p[s * T + t];
+          for (int64_t i = 0; i < N; ++i) {
+            const auto g = math::source_grad_coefficients(
+                weight(i), rstd_p[i * T + t], su[s * N + i], dp[s * N + i] - dp_piv, sum_rel, D);
+            coef_a[i * S + s] = g.a;
+            coef_alpha[i * S + s] = g.alpha;
+            coef_beta[i] += g.beta;
+          }
+        }
+        // Sweep 2 (from cache): each wanted source gradient written once,
+        // every reader's term summed in registers; z_s.
+        for (int64_t i = 0; i < N; ++i) {
+          if (!dv_p[i] && !z) continue;
+          row_block_source_grad(dv_p[i] ? dv_p[i] + t * D : nullptr, src[i].row(t),
+                                has_dy ? dy_rows.data() : nullptr, u_rows.data(),
+                                coef_a.data() + i * S, coef_alpha.data() + i * S, coef_beta[i],
+                                S, z, D);
+        }
+      }
+    }
+  });
+  if (want_z) sum_chunks(partial, chunks.count, S * D, call.z.data_ptr<acc_t>());
+}
+
+// ---- phase 2 ----------------------------------------------------------------
+
+template <typename scalar_t>
+void merge_forward_impl(const MergeForwardCall& call) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const int64_t D = call.D, T = call.T;
+  const acc_t eps = static_cast<acc_t>(call.eps);
+  const RowsOf<scalar_t> y_rows(call.partial_out), p_rows(call.block_sum);
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* lse_p = call.lse.const_data_ptr<acc_t>();
+  scalar_t* out_p = call.out.data_ptr<scalar_t>();
+  acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
+  acc_t* w_p = call.weight.data_ptr<acc_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const scalar_t* y = y_rows.row(t);
+      const scalar_t* P = p_rows.row(t);
+      acc_t r, s;
+      row_stats_many(P, &u, 1, D, eps, r, &s);
+      // The exact merge: phase 1's state (m, l) = (lse, 1), plus score s.
+      math::OnlineSoftmax<acc_t> st;
+      st.init(lse_p[t]);
+      acc_t keep, take;
+      st.push(s, keep, take);
+      const acc_t f = st.out_factor();
+      rstd_p[t] = r;
+      w_p[t] = take;
+      scalar_t* out = out_p + t * D;
+      const AVec vk(keep), vt(take), vf(f);
+      int64_t j = 0;
+      for (; j + L::kStep <= D; j += L::kStep) {
+        AVec yv[L::kParts], pv[L::kParts], o[L::kParts];
+        L::load(y + j, yv);
+        L::load(P + j, pv);
+        for (int k = 0; k < L::kParts; ++k) o[k] = math::online_accumulate(yv[k], vk, vt, pv[k]) * vf;
+        L::store(out + j, o);
+      }
+      for (; j < D; ++j) {
+        out[j] = static_cast<scalar_t>(
+            math::online_accumulate(static_cast<acc_t>(y[j]), keep, take, static_cast<acc_t>(P[j])) * f);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void merge_backward_impl(const MergeBackwardCall& call) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const int64_t D = call.D, T = call.T;
+  const RowsOf<scalar_t> dh_rows(call.grad_out), y_rows(call.partial_out), p_rows(call.block_sum);
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = call.weight.const_data_ptr<acc_t>();
+  scalar_t* dy_p = call.grad_partial_out.defined() ? call.grad_partial_out.data_ptr<scalar_t>() : nullptr;
+  acc_t* dlse_p = call.grad_lse.defined() ? call.grad_lse.data_ptr<acc_t>() : nullptr;
+  scalar_t* dP_p = call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
+  const bool want_z = call.z.defined();
+  const Chunks chunks = z_chunks(T, D, sizeof(acc_t));
+  std::vector<acc_t> partial(want_z ? chunks.count * D : 0, acc_t(0));
+
+  at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      acc_t* z = want_z ? partial.data() + c * D : nullptr;
+      const int64_t t_end = std::min(T, (c + 1) * chunks.size);
+      for (int64_t t = c * chunks.size; t < t_end; ++t) {
+        const scalar_t* dh = dh_rows.row(t);
+        const scalar_t* y = y_rows.row(t);
+        const scalar_t* P = p_rows.row(t);
+        // Sweep 1: c = <dh, P - y> (elementwise difference: nothing cancels
+        // beyond it) and <u, P>.
+        AVec cd[2] = {AVec(acc_t(0)), AVec(acc_t(0))}, ud[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
+        int64_t j = 0;
+        for (; j + L::kStep <= D; j += L::kStep) {
+          AVec hv[L::kParts], yv[L::kParts], pv[L::kParts];
+          L::load(dh + j, hv);
+          L::load(y + j, yv);
+          L::load(P + j, pv);
+          for (int k = 0; k < L::kParts; ++k) {
+            const int ch = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
+            cd[ch] = at::vec::fmadd(hv[k], pv[k] - yv[k], cd[ch]);
+            ud[ch] = at::vec::fmadd(AVec::loadu(u + j + k * AVec::size()), pv[k], ud[ch]);
+          }
+        }
+        acc_t cdot = hsum(cd[0] + cd[1]), udot = hsum(ud[0] + ud[1]);
+        for (; j < D; ++j) {
+          const acc_t pj = static_cast<acc_t>(P[j]);
+          cdot += static_cast<acc_t>(dh[j]) * (pj - static_cast<acc_t>(y[j]));
+          udot += u[j] * pj;
+        }
+        const acc_t a = w_p[t], r = rstd_p[t];
+        // ds = a (1 - a) c = a (dp_P - <dh, h>) (docs/design.md §10).
+        const auto g = math::source_grad_coefficients(a, r, math::score(r, udot),
+                                                      (acc_t(1) - a) * cdot, acc_t(0), D);
+        if (dlse_p) dlse_p[t] = -(a * ((acc_t(1) - a) * cdot));
+        if (!dy_p && !dP_p && !z) continue;
+        // Sweep 2 (from L1): dy = (1 - a) dh, dP = a dh + alpha u + beta P, z.
+        const AVec keep(acc_t(1) - a), va(g.a), valpha(g.alpha), vbeta(g.beta);
+        scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
+        scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
+        j = 0;
+        for (; j + L::kStep <= D; j += L::kStep) {
+          AVec hv[L::kParts], pv[L::kParts], o1[L::kParts], o2[L::kParts];
+          L::load(dh + j, hv);
+          L::load(P + j, pv);
+          for (int k = 0; k < L::kParts; ++k) {
+            const int64_t o = j + k * AVec::size();
+            o1[k] = keep * hv[k];
+            o2[k] = math::source_grad(va, hv[k], valpha, AVec::loadu(u + o), vbeta, pv[k]);
+            if (z) at::vec::fmadd(valpha, pv[k], AVec::loadu(z + o)).store(z + o);
+          }
+          if (dy) L::store(dy + j, o1);
+          if (dP) L::store(dP + j, o2);
+        }
+        for (; j < D; ++j) {
+          const acc_t hj = static_cast<acc_t>(dh[j]), pj = static_cast<acc_t>(P[j]);
+          if (dy) dy[j] = static_cast<scalar_t>((acc_t(1) - a) * hj);
+          if (dP) dP[j] = static_cast<scalar_t>(math::source_grad(g.a, hj, g.alpha, u[j], g.beta, pj));
+          if (z) z[j] += g.alpha * pj;
+        }
+      }
+    }
+  });
+  if (want_z) sum_chunks(partial, chunks.count, D, call.z.data_ptr<acc_t>());
+}
+
+}  // namespace
+
+#define ATTNRES_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
+
+void block_reads_forward(const BlockReadsForwardCall& call) {
+  ATTNRES_DISPATCH(call.sources[0].scalar_type(), "attnres_block_reads_forward_cpu",
+                   [&] { block_reads_forward_impl<scalar_t>(call); });
+}
+
+void block_reads_backward(const BlockReadsBackwardCall& call) {
+  ATTNRES_DISPATCH(call.sources[0].scalar_type(), "attnres_block_reads_backward_cpu",
+                   [&] { block_reads_backward_impl<scalar_t>(call); });
+}
+
+void block_read_merge_forward(const MergeForwardCall& call) {
+  ATTNRES_DISPATCH(call.block_sum.scalar_type(), "attnres_block_read_merge_forward_cpu",
+                   [&] { merge_forward_impl<scalar_t>(call); });
+}
+
+void block_read_merge_backward(const MergeBackwardCall& call) {
+  ATTNRES_DISPATCH(call.block_sum.scalar_type(), "attnres_block_read_merge_backward_cpu",
+                   [&] { merge_backward_impl<scalar_t>(call); });
+}
+
+}  // namespace cpu
+}  // namespace attnres

@@ -1,0 +1,503 @@
+"""Two-phase Block reads (docs/design.md §10): the ops block_reads_fwd/bwd
+and block_read_merge_fwd/bwd against a float64 reference, their autograd,
+opcheck and torch.compile, and DepthStream/AttnResResidual using them in
+place of one-call reads."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import attnres
+import attnres.modules as modules_mod
+from attnres import reference
+from attnres.models import GPT, GPTConfig
+
+from helpers import GRAD_REL_TOL, REL_TOL, STAT_REL_TOL, assert_rel_close, param_dtype
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def problem(n, s, lead, d, dtype, seed=0, gain=True):
+    g = torch.Generator().manual_seed(seed)
+    sources = []
+    for _ in range(n + 1):  # the last one is the partial block sum
+        mag = 10.0 ** (torch.rand((), generator=g).item() * 2 - 1)
+        sources.append((torch.randn(*lead, d, generator=g, dtype=torch.float64) * mag).to(dtype))
+    pd = param_dtype(dtype)
+    queries = (torch.randn(s, d, generator=g, dtype=torch.float64) * (2.0 / d ** 0.5)).to(pd)
+    gains = (torch.rand(s, d, generator=g, dtype=torch.float64) + 0.5).to(pd) if gain else None
+    return sources[:n], sources[n], queries, gains
+
+
+def ref_read(sources, query, gain, eps=1e-6):
+    """The float64 reference of one read: h and the weights (float64; the
+    eager reference returns float32 weights)."""
+    srcs = torch.stack([x.detach().double() for x in sources])
+    u = query.detach().double() * (1.0 if gain is None else gain.detach().double())
+    rstd = srcs.pow(2).mean(-1).add(eps).rsqrt()
+    weights = torch.softmax(rstd * (srcs @ u), 0)
+    return (weights.unsqueeze(-1) * srcs).sum(0), weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,s,lead,d", [(1, 1, (3,), 1), (2, 3, (2, 5), 7), (5, 6, (13,), 67),
+                                        (3, 4, (1, 4), 1000)])
+def test_forward_matches_float64_reference(dtype, n, s, lead, d):
+    sources, block_sum, queries, gains = problem(n, s, lead, d, dtype)
+    partial_outs, lse, rstd, weights = torch.ops.attnres.block_reads_fwd(sources, queries, gains,
+                                                                         1e-6, 1.0)
+    assert len(partial_outs) == s and lse.shape == (s, *lead) and weights.shape == (s, n, *lead)
+    ref_rstd = torch.stack([x.double().pow(2).mean(-1).add(1e-6).rsqrt() for x in sources])
+    assert_rel_close(rstd, ref_rstd, STAT_REL_TOL[dtype], "rstd")
+    for r in range(s):
+        gain = None if gains is None else gains[r]
+        h_ref, w_ref = ref_read(sources, queries[r], gain)
+        assert partial_outs[r].dtype == dtype
+        assert_rel_close(partial_outs[r], h_ref, REL_TOL[dtype], f"partial_outs[{r}]")
+        assert_rel_close(weights[r], w_ref, STAT_REL_TOL[dtype], f"weights[{r}]")
+        # lse: log sum exp of the float64 scores.
+        q = queries[r].double() * (1.0 if gain is None else gain.double())
+        scores = torch.stack([ref_rstd[i] * (sources[i].double() @ q) for i in range(n)])
+        assert_rel_close(lse[r], torch.logsumexp(scores, 0), STAT_REL_TOL[dtype], "lse")
+        # Phase 2 with the partial block sum: the one-call read over n + 1.
+        h, rstd_p, a_p = torch.ops.attnres.block_read_merge_fwd(partial_outs[r], lse[r], block_sum,
+                                                                queries[r], gain, 1e-6, 1.0)
+        h_ref, w_ref = ref_read([*sources, block_sum], queries[r], gain)
+        assert_rel_close(h, h_ref, REL_TOL[dtype], f"merged h[{r}]")
+        assert_rel_close(a_p, w_ref[-1], STAT_REL_TOL[dtype], "block_sum weight")
+
+
+def read_all(sources, block_sum, queries, gains, dh, merge_from=1):
+    """h of every reader: reader 0 (and those before merge_from) from phase 1
+    alone, the others merged with block_sum; then backward of sum <dh_r, h_r>."""
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    hs = []
+    for r in range(queries.shape[0]):
+        gain = None if gains is None else gains[r]
+        if r < merge_from:
+            hs.append(partial_outs[r])
+        else:
+            hs.append(attnres.block_read_merge(partial_outs[r], lse[r], block_sum, queries[r], gain))
+    loss = sum((h.double() * g).sum() for h, g in zip(hs, dh))
+    loss.backward()
+    return hs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gain", [True, False])
+@pytest.mark.parametrize("n,s,lead,d", [(1, 2, (4,), 5), (3, 5, (2, 3), 33), (4, 3, (7,), 256)])
+def test_gradients_match_float64_reference(dtype, gain, n, s, lead, d):
+    sources, block_sum, queries, gains = problem(n, s, lead, d, dtype, seed=1, gain=gain)
+    g = torch.Generator().manual_seed(2)
+    dh = [torch.randn(*lead, d, generator=g, dtype=torch.float64) for _ in range(s)]
+    leaves = [x.clone().requires_grad_(True) for x in [*sources, block_sum, queries]]
+    gains_leaf = gains.clone().requires_grad_(True) if gain else None
+    read_all(leaves[:n], leaves[n], leaves[n + 1], gains_leaf, dh)
+    # Reference: the same reads, one call each, in float64.
+    ref = [x.detach().double().requires_grad_(True) for x in [*sources, block_sum, queries]]
+    ref_gains = gains.detach().double().requires_grad_(True) if gain else None
+    loss = 0
+    for r in range(s):
+        srcs = ref[:n] if r == 0 else [*ref[:n], ref[n]]
+        h = reference.depth_attention(srcs, ref[n + 1][r], None if ref_gains is None else ref_gains[r])
+        loss = loss + (h * dh[r]).sum()
+    loss.backward()
+    tol = GRAD_REL_TOL[dtype]
+    for i in range(n):
+        assert_rel_close(leaves[i].grad, ref[i].grad, tol, f"grad sources[{i}]")
+    assert_rel_close(leaves[n].grad, ref[n].grad, tol, "grad block_sum")
+    assert_rel_close(leaves[n + 1].grad, ref[n + 1].grad, tol, "grad queries")
+    if gain:
+        assert_rel_close(gains_leaf.grad, ref_gains.grad, tol, "grad norm_weights")
+
+
+def test_gradcheck_float64():
+    sources, block_sum, queries, gains = problem(3, 3, (2, 3), 6, torch.float64, seed=3)
+    inputs = [x.clone().requires_grad_(True) for x in [*sources, block_sum, queries, gains]]
+
+    def phase1(a, b, c, q, g):
+        partial_outs, lse = attnres.block_reads([a, b, c], q, g, eps=1e-3, scale=0.7)
+        return (*partial_outs, lse)
+
+    assert torch.autograd.gradcheck(phase1, (*inputs[:3], inputs[4], inputs[5]))
+
+    def merge(y, lse, p, q, g):
+        return attnres.block_read_merge(y, lse, p, q, g, eps=1e-3, scale=0.7)
+
+    y = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    lse = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    q, g = inputs[4][1].detach().requires_grad_(True), inputs[5][1].detach().requires_grad_(True)
+    assert torch.autograd.gradcheck(merge, (y, lse, inputs[3], q, g))
+
+    def composed(a, b, c, p, q, g):
+        partial_outs, lse = attnres.block_reads([a, b, c], q, g)
+        return (partial_outs[0],
+                *(attnres.block_read_merge(partial_outs[r], lse[r], p, q[r], g[r]) for r in (1, 2)))
+
+    assert torch.autograd.gradcheck(composed, tuple(inputs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_opcheck(dtype, with_gain):
+    sources, block_sum, queries, gains = problem(3, 2, (2, 3), 8, dtype, seed=4, gain=with_gain)
+    opcheck(torch.ops.attnres.block_reads_fwd.default, (sources, queries, gains, 1e-6, 0.5))
+    partial_outs, lse, rstd, weights = torch.ops.attnres.block_reads_fwd(sources, queries, gains,
+                                                                         1e-6, 0.5)
+    dy = [torch.randn_like(y) for y in partial_outs]
+    dlse = torch.randn_like(lse)
+    opcheck(torch.ops.attnres.block_reads_bwd.default,
+            (dy, dlse, sources, queries, gains, rstd, weights, 0.5, [True] * 5))
+    gain = None if gains is None else gains[1]
+    merge_args = (partial_outs[1], lse[1], block_sum, queries[1], gain, 1e-6, 0.5)
+    opcheck(torch.ops.attnres.block_read_merge_fwd.default, merge_args)
+    h, rstd_p, a_p = torch.ops.attnres.block_read_merge_fwd(*merge_args)
+    opcheck(torch.ops.attnres.block_read_merge_bwd.default,
+            (torch.randn_like(h), partial_outs[1], block_sum, queries[1], gain, rstd_p, a_p, 0.5,
+             [True] * 5))
+
+
+def test_strided_inputs_used_as_given():
+    sources, block_sum, queries, gains = problem(3, 3, (4, 5), 9, torch.float32, seed=5)
+    strided = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in sources]  # leading dims swapped
+    wide = torch.randn(4, 5, 20)
+    wide[..., 3:12] = block_sum
+    block_view = wide[..., 3:12]  # row stride 20
+    assert not block_view.is_contiguous() and not strided[0].is_contiguous()
+    partial_outs, lse = attnres.block_reads(strided, queries.t().contiguous().t(), gains)
+    want, want_lse = attnres.block_reads(sources, queries, gains)
+    for a, b in zip(partial_outs, want):
+        assert torch.equal(a, b)
+    assert torch.equal(lse, want_lse)
+    y_view = torch.stack(partial_outs, -1)[..., 1]  # a strided partial output
+    h = attnres.block_read_merge(y_view, lse[1], block_view, queries[1], gains[1])
+    assert torch.equal(h, attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1],
+                                                   gains[1]))
+
+
+def test_parameter_gradients_deterministic_across_threads():
+    sources, block_sum, queries, gains = problem(4, 3, (300,), 64, torch.float32, seed=6)
+    g = torch.Generator().manual_seed(7)
+    dh = [torch.randn(300, 64, generator=g, dtype=torch.float64) for _ in range(3)]
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            q = queries.clone().requires_grad_(True)
+            gn = gains.clone().requires_grad_(True)
+            read_all(sources, block_sum, q, gn, dh)
+            results.append((q.grad, gn.grad))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_bad_arguments_name_what_is_wrong():
+    sources, block_sum, queries, gains = problem(2, 3, (4,), 8, torch.float32)
+    with pytest.raises(ValueError, match=r"queries must have shape \[S, D\]"):
+        attnres.block_reads(sources, queries[0], None)
+    with pytest.raises(ValueError, match=r"queries must have shape \[S, D\] = \[3, 8\]"):
+        attnres.block_reads(sources, queries[:, :5], None)
+    with pytest.raises(ValueError, match="norm_weights must have the queries' shape"):
+        attnres.block_reads(sources, queries, gains[:2])
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    with pytest.raises(TypeError, match="lse must have dtype torch.float32"):
+        attnres.block_read_merge(partial_outs[0], lse[0].double(), block_sum, queries[0])
+    with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
+        attnres.block_read_merge(partial_outs[0][:2], lse[0], block_sum, queries[0])
+
+
+def test_fake_kernels_raise_the_same_words():
+    sources, block_sum, queries, gains = problem(2, 3, (4,), 8, torch.float32)
+    meta = [x.to("meta") for x in sources]
+    with pytest.raises(ValueError, match=r"queries must have shape \[S, D\] = \[3, 8\]"):
+        torch.ops.attnres.block_reads_fwd(meta, queries[:, :5].to("meta"), None, 1e-6, 1.0)
+    parts, lse, rstd, w = torch.ops.attnres.block_reads_fwd(meta, queries.to("meta"), None, 1e-6, 1.0)
+    assert [tuple(p.shape) for p in parts] == [(4, 8)] * 3 and lse.shape == (3, 4)
+    assert rstd.shape == (2, 4) and w.shape == (3, 2, 4) and w.dtype == torch.float32
+    for device in ("cpu", "meta"):  # the C++ checks and the fake kernel: the same words
+        y, p, q = torch.zeros(4, 8, device=device), block_sum.to(device), queries[0].to(device)
+        lse0 = torch.zeros(4, device=device)
+        with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
+            torch.ops.attnres.block_read_merge_fwd(y[:2], lse0, p, q, None, 1e-6, 1.0)
+        with pytest.raises(TypeError, match="lse must have dtype torch.float32, got torch.float64"):
+            torch.ops.attnres.block_read_merge_fwd(y, lse0.double(), p, q, None, 1e-6, 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_raises_naming_the_missing_kernel():
+    sources, block_sum, queries, gains = problem(2, 3, (4,), 8, torch.float32)
+    with pytest.raises(NotImplementedError, match="block_reads_fwd has no CUDA kernel"):
+        attnres.block_reads([x.cuda() for x in sources], queries.cuda(), gains.cuda())
+
+
+def test_torch_compile_fullgraph_of_the_ops():
+    torch._dynamo.reset()
+    sources, block_sum, queries, gains = problem(3, 3, (2, 5), 16, torch.float32, seed=8)
+
+    def reads(a, b, c, p, q, g):
+        partial_outs, lse = attnres.block_reads([a, b, c], q, g)
+        h1 = attnres.block_read_merge(partial_outs[1], lse[1], p, q[1], g[1])
+        return (partial_outs[0] * h1).sum()
+
+    leaves = [x.clone().requires_grad_(True) for x in [*sources, block_sum, queries, gains]]
+    eager = reads(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(reads, fullgraph=True, backend="aot_eager", dynamic=True)
+    got = compiled(*leaves)
+    got_grads = torch.autograd.grad(got, leaves)
+    assert torch.allclose(got, eager, rtol=1e-6)
+    for a, b in zip(got_grads, eager_grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---- the modules ---------------------------------------------------------------------
+
+
+class CountingOps:
+    """Counts the two-phase op calls the modules make."""
+
+    def __init__(self, monkeypatch):
+        self.phase1 = self.merge = 0
+        real_reads, real_merge = modules_mod.block_reads, modules_mod.block_read_merge
+        real_inplace = modules_mod.block_read_merge_inplace
+
+        def reads(*a, **k):
+            self.phase1 += 1
+            return real_reads(*a, **k)
+
+        def merge(*a, **k):
+            self.merge += 1
+            return real_merge(*a, **k)
+
+        def inplace(*a, **k):
+            self.merge += 1
+            return real_inplace(*a, **k)
+
+        monkeypatch.setattr(modules_mod, "block_reads", reads)
+        monkeypatch.setattr(modules_mod, "block_read_merge", merge)
+        monkeypatch.setattr(modules_mod, "block_read_merge_inplace", inplace)
+
+
+def run_stack(readers, weights, emb, block_size, block_reads):
+    """A stack of sublayers f_l = tanh(h_l @ W_l) read through `readers`,
+    then a final read: what a PreNorm model does."""
+    stream = attnres.DepthStream(emb, block_size=block_size, block_reads=block_reads)
+    for res, w in zip(readers[:-1], weights):
+        stream.append(torch.tanh(res(stream) @ w))
+    return readers[-1](stream)
+
+
+def make_stack(L, D, dtype, seed=0):
+    torch.manual_seed(seed)
+    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype)) for _ in range(L + 1)]
+    with torch.no_grad():
+        for r in readers:
+            r.query.normal_(0, 1.0 / D ** 0.5)
+            r.norm_weight.uniform_(0.5, 1.5)
+    weights = [(torch.randn(D, D, dtype=torch.float64) / D ** 0.5).to(dtype).requires_grad_(True)
+               for _ in range(L)]
+    return readers, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,S", [(7, 2), (9, 4), (8, 4), (5, 8)])
+def test_stream_two_phase_equals_one_call(dtype, L, S, monkeypatch):
+    D = 24
+    readers, weights = make_stack(L, D, dtype)
+    emb = torch.randn(3, 5, D, dtype=torch.float64).to(dtype).requires_grad_(True)
+    params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
+
+    def loss_grads(mode):
+        out = run_stack(readers, weights, emb, S, mode)
+        grads = torch.autograd.grad(out.double().pow(2).sum(), params)
+        return out, grads
+
+    counts = CountingOps(monkeypatch)
+    first, _ = loss_grads("two_phase")  # learns which reader follows which
+    assert counts.merge == 0  # it knew no successors yet: one-call reads after each phase 1
+    blocks = -(-(L + 1) // S)
+    assert counts.phase1 == blocks
+    want, want_grads = loss_grads("one_call")
+    got, got_grads = loss_grads("two_phase")
+    assert counts.phase1 == 2 * blocks  # once per block
+    assert counts.merge == L + 1 - blocks  # every read but the first of each block
+    assert_rel_close(first, want, REL_TOL[dtype], "first pass")
+    assert_rel_close(got, want, REL_TOL[dtype], "h")
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+        assert_rel_close(a, b, GRAD_REL_TOL[dtype], f"grad {i}")
+
+
+def test_auto_uses_two_phase_from_the_third_completed_source(monkeypatch):
+    D, L, S = 16, 8, 2
+    readers, weights = make_stack(L, D, torch.float32)
+    emb = torch.randn(4, D)
+    with torch.no_grad():
+        want = run_stack(readers, weights, emb, S, "one_call")
+        run_stack(readers, weights, emb, S, "auto")
+        counts = CountingOps(monkeypatch)
+        got = run_stack(readers, weights, emb, S, "auto")
+    # Blocks with n = 1, 2 completed sources read one-call; blocks 3..5 two-phase.
+    assert counts.phase1 == 3 and counts.merge == 2
+    assert_rel_close(got, want, REL_TOL[torch.float32])
+
+
+def test_reordered_readers_fall_back_and_relearn(monkeypatch):
+    D, L, S = 16, 6, 3
+    readers, weights = make_stack(L, D, torch.float64)
+    emb = torch.randn(4, D, dtype=torch.float64)
+    with torch.no_grad():
+        run_stack(readers, weights, emb, S, "two_phase")
+        order = [readers[1], readers[0], *readers[2:]]  # the first block's readers swapped
+        want = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "one_call")
+        got = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "two_phase")
+        counts = CountingOps(monkeypatch)
+        again = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "two_phase")
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(again, want, rtol=1e-12, atol=1e-14)
+    assert counts.merge == L + 1 - 3  # relearned: every non-first read merges again
+
+
+def test_return_weights_and_cuda_streams_read_one_call(monkeypatch):
+    D = 8
+    readers, weights = make_stack(4, D, torch.float32)
+    emb = torch.randn(2, D)
+    run_stack(readers, weights, emb, 2, "two_phase")
+    counts = CountingOps(monkeypatch)
+    stream = attnres.DepthStream(emb, block_size=2, block_reads="two_phase")
+    stream.append(torch.tanh(readers[0](stream) @ weights[0]))
+    h, w = readers[1](stream, return_weights=True)
+    assert w.shape == (2, 2) and counts.merge == 0
+    with pytest.raises(ValueError, match="block_reads must be one of"):
+        attnres.DepthStream(emb, block_size=2, block_reads="fast")
+
+
+def gpt(block_reads, **kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=4, n_heads=2, residual="block",
+                    block_size=2, block_reads=block_reads, **kw)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith(".norm_weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def gpt_loss_grads(model, idx):
+    model.zero_grad(set_to_none=True)
+    _, loss = model(idx, idx)
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                           for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_checkpointed_gpt_two_phase_matches_one_call(monkeypatch):
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    want_loss, want = gpt_loss_grads(gpt("one_call"), idx)
+    model = gpt("two_phase", checkpoint_blocks=True)
+    gpt_loss_grads(model, idx)  # learns the order
+    counts = CountingOps(monkeypatch)
+    loss, got = gpt_loss_grads(model, idx)
+    assert counts.merge > 0
+    assert torch.allclose(loss, want_loss, rtol=1e-5)
+    for name in want:
+        assert_rel_close(got[name], want[name], 1e-4, name)
+
+
+def test_compiled_block_gpt_two_phase_matches_one_call(monkeypatch):
+    torch._dynamo.reset()
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    want_loss, want = gpt_loss_grads(gpt("one_call"), idx)
+    model = gpt("two_phase")
+    gpt_loss_grads(model, idx)  # eager pass: learns the order
+    counts = CountingOps(monkeypatch)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss, got = gpt_loss_grads(compiled, idx)
+    assert counts.merge > 0  # traced through the two-phase ops
+    assert torch.allclose(loss, want_loss, rtol=1e-5)
+    for name in want:
+        assert_rel_close(got[name], want[name], 1e-4, name)
+
+
+def test_nan_poisons_only_its_token():
+    sources, block_sum, queries, gains = problem(3, 2, (5,), 16, torch.float32, seed=9)
+    sources[1] = sources[1].clone()
+    sources[1][2, 3] = float("nan")
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    for y in partial_outs:
+        assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+    assert torch.isnan(lse[:, 2]).all()
+    block_sum = block_sum.clone()
+    block_sum[4, 0] = float("nan")
+    clean = [x.clone() for x in sources]
+    clean[1][2, 3] = 0.0
+    clean_outs, clean_lse = attnres.block_reads(clean, queries, gains)
+    h = attnres.block_read_merge(clean_outs[1], clean_lse[1], block_sum, queries[1], gains[1])
+    assert torch.isnan(h[4]).all() and torch.isfinite(h[:4]).all()
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30])
+def test_rows_near_the_float32_limits_are_rescued(magnitude):
+    # Sums of squares over/underflow float32: the forward's rescaled path
+    # (depth_math.h) must give the float64 result.
+    sources, block_sum, queries, gains = problem(3, 2, (4,), 64, torch.float32, seed=10)
+    sources = [x * magnitude for x in sources]
+    block_sum = block_sum * magnitude
+    partial_outs, lse = attnres.block_reads(sources, queries, gains, eps=0.0)
+    for r in range(2):
+        h_ref, _ = ref_read(sources, queries[r], gains[r], eps=0.0)
+        assert_rel_close(partial_outs[r], h_ref, REL_TOL[torch.float32], "partial")
+    h = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1], eps=0.0)
+    h_ref, _ = ref_read([*sources, block_sum], queries[1], gains[1], eps=0.0)
+    assert_rel_close(h, h_ref, REL_TOL[torch.float32], "merged")
+
+
+def test_inplace_merge_equals_the_merge_and_refuses_gradients():
+    sources, block_sum, queries, gains = problem(3, 2, (3, 5), 19, torch.float32, seed=11)
+    partial_outs, lse = attnres.block_reads(sources, queries, gains)
+    want = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1])
+    y = partial_outs[1].clone()
+    got = attnres.ops.block_read_merge_inplace(y, lse[1], block_sum, queries[1], gains[1])
+    assert got is y and torch.equal(got, want)
+    opcheck(torch.ops.attnres.block_read_merge_inplace.default,
+            (partial_outs[1].clone(), lse[1], block_sum, queries[1], gains[1], 1e-6, 1.0))
+    q = queries[1].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="block_read_merge_inplace has no derivative"):
+        attnres.ops.block_read_merge_inplace(partial_outs[1].clone(), lse[1], block_sum, q)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        attnres.ops.block_read_merge_inplace(torch.stack(partial_outs, -1)[..., 0], lse[0],
+                                             block_sum, queries[0])
+
+
+def test_inference_reads_merge_in_place_and_a_second_read_is_one_call(monkeypatch):
+    D, L, S = 16, 5, 3
+    readers, weights = make_stack(L, D, torch.float64)
+    emb = torch.randn(4, D, dtype=torch.float64)
+    with torch.no_grad():
+        want = run_stack(readers, weights, emb, S, "one_call")
+        run_stack(readers, weights, emb, S, "two_phase")
+        stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase")
+        stream.append(torch.tanh(readers[0](stream) @ weights[0]))
+        h1 = readers[1](stream)
+        again = readers[1](stream)  # the partial output was consumed: one-call
+        ref = attnres.depth_attention(stream.sources, readers[1].query, readers[1].norm_weight)
+        got = run_stack(readers, weights, emb, S, "two_phase")
+    assert torch.allclose(h1, ref, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(again, ref, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_inference_of_a_block_gpt(monkeypatch):
+    torch._dynamo.reset()
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = gpt("one_call").eval()(idx)[0]
+        model = gpt("two_phase").eval()
+        model(idx)  # learns the order
+        counts = CountingOps(monkeypatch)
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(idx)[0]
+    assert counts.merge > 0
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
