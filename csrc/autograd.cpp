@@ -12,6 +12,7 @@
 
 #include "attnres/arguments.h"
 #include "attnres/ops.h"
+#include "autograd_helpers.h"
 
 namespace attnres {
 namespace {
@@ -19,13 +20,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls an op's kernel below the Autograd key (the dispatcher's next key).
-template <typename Signature, typename... Args>
-auto call_below_autograd(const char* name, Args&&... args) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(std::forward<Args>(args)...);
-}
+using autograd_helpers::call_below_autograd;
+using autograd_helpers::expand_masked;
+using autograd_helpers::no_double_backward;
 
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&, double, double);
@@ -63,21 +60,9 @@ class DepthAttentionBackwardFunction
   }
 
   static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
-    TORCH_CHECK(false,
-                "attnres: second derivatives of depth_attention are not implemented "
-                "(double backward / create_graph=True through its gradient)");
+    no_double_backward("depth_attention");
   }
 };
-
-// The N + 2 gradients (sources..., query, gain) from the wanted ones.
-variable_list expand_masked(const variable_list& wanted, const c10::List<bool>& output_mask) {
-  variable_list all(output_mask.size());
-  size_t next = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (output_mask.get(i)) all[i] = wanted[next++];
-  }
-  return all;
-}
 
 class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFunction> {
  public:

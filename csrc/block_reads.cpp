@@ -14,6 +14,8 @@
 #include <string>
 
 #include "attnres/arguments.h"
+#include "attnres/op_sequence.h"
+#include "autograd_helpers.h"
 #include "cpu/block_reads_cpu.h"
 
 namespace attnres {
@@ -99,34 +101,6 @@ void check_mask(const c10::List<bool>& mask, size_t expected, const char* what) 
                     what, "), got ", mask.size());
 }
 
-// u = scale * query * gain in the accumulation dtype ([D] or [S, D]).
-at::Tensor effective_queries(const at::Tensor& queries, const std::optional<at::Tensor>& gains,
-                             double scale, at::ScalarType acc) {
-  at::Tensor u = queries.to(acc).mul(scale);
-  if (is_defined(gains)) u.mul_(gains->to(acc));
-  return u.contiguous();
-}
-
-// dquery = scale * gain * Z, dgain = scale * query * Z (docs/design.md §2),
-// per reader, in the parameters' dtypes; scale multiplies the parameter
-// first, and scale = 0 gives exact zeros (as op_sequence.cpp does).
-std::pair<at::Tensor, at::Tensor> parameter_grads(const at::Tensor& z, const at::Tensor& queries,
-                                                  const std::optional<at::Tensor>& gains,
-                                                  double scale) {
-  const bool has_gain = is_defined(gains);
-  const auto acc = z.scalar_type();
-  at::Tensor grad_query, grad_gain;
-  if (scale == 0.0) {
-    grad_query = at::zeros_like(z);
-    grad_gain = at::zeros_like(z);
-  } else {
-    grad_query = has_gain ? z.mul(gains->to(acc).mul(scale)) : z.mul(scale);
-    grad_gain = z.mul(queries.to(acc).mul(scale));
-  }
-  return {grad_query.to(queries.scalar_type()),
-          grad_gain.to(has_gain ? gains->scalar_type() : queries.scalar_type())};
-}
-
 // kernels built with AVX2 (ATTNRES_CPU_ARCH=avx2): refuse a CPU without it
 // before any AVX2 instruction runs (this file is built without the flags).
 void check_cpu_capability() {
@@ -148,7 +122,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_re
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
-  const at::Tensor u = effective_queries(queries, norm_weights, scale, acc);
+  const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
   std::vector<at::Tensor> partial_outs;
   for (int64_t s = 0; s < S; ++s) {
     partial_outs.push_back(
@@ -191,7 +165,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   at::Tensor z;
   if (want_query || want_gain) z = at::zeros({S, p.D}, queries.options().dtype(acc));
   if (p.T > 0) {
-    const at::Tensor u = effective_queries(queries, norm_weights, scale, acc);
+    const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
     const at::Tensor dlse = is_defined(grad_lse) ? grad_lse->contiguous() : at::Tensor();
     cpu::block_reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
                                rstd.contiguous(), weights.contiguous(), grads, z});
@@ -214,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   check_cpu_capability();
   const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
   at::Tensor out =
       at::empty(block_sum.sizes(), block_sum.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
@@ -239,7 +213,7 @@ void block_read_merge_inplace_cpu(const at::Tensor& partial_out, const at::Tenso
   check_cpu_capability();
   if (p.T == 0) return;
   const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
   at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   const at::Tensor lse_c = lse.contiguous();
@@ -270,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
   if (output_mask.get(2)) d_block = at::empty(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (p.T > 0) {
-    const at::Tensor u = effective_queries(query, norm_weight, scale, acc);
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
     cpu::block_read_merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u,
                                     rstd.contiguous(), weight.contiguous(), d_partial, d_lse,
                                     d_block, z});
@@ -296,12 +270,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-template <typename Signature, typename... Args>
-auto call_below_autograd(const char* name, Args&&... args) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(std::forward<Args>(args)...);
-}
+using autograd_helpers::call_below_autograd;
+using autograd_helpers::expand_masked;
+using autograd_helpers::no_double_backward;
 
 using BlockReadsFwdSig = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>(
     at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&, double, double);
@@ -316,12 +287,6 @@ using MergeBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, a
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
     const c10::List<bool>&);
-
-[[noreturn]] void no_double_backward(const char* what) {
-  TORCH_CHECK(false, "attnres: second derivatives of ", what,
-              " are not implemented (double backward / create_graph=True through its "
-              "gradient)");
-}
 
 // The backward ops' nodes: first derivatives only.
 class BlockReadsBackwardFunction : public torch::autograd::Function<BlockReadsBackwardFunction> {
@@ -365,15 +330,6 @@ class MergeBackwardFunction : public torch::autograd::Function<MergeBackwardFunc
     no_double_backward("block_read_merge");
   }
 };
-
-variable_list expand_masked(const variable_list& wanted, const c10::List<bool>& mask) {
-  variable_list all(mask.size());
-  size_t next = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (mask.get(i)) all[i] = wanted[next++];
-  }
-  return all;
-}
 
 class BlockReadsFunction : public torch::autograd::Function<BlockReadsFunction> {
  public:

@@ -5,7 +5,6 @@
 #include <c10/core/DeviceGuard.h>
 
 namespace attnres {
-namespace {
 
 // u = scale * query * gain in the accumulation dtype: the only form of query
 // and gain the kernels use.
@@ -48,7 +47,6 @@ bool is_defined(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined();
 }
 
-}  // namespace
 
 ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
                           const at::Tensor& query,

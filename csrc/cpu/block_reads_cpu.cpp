@@ -21,6 +21,7 @@
 
 #include "attnres/depth_math.h"
 #include "attnres/row_layout.h"
+#include "vec_rows.h"
 
 namespace attnres {
 namespace cpu {
@@ -28,41 +29,6 @@ namespace {
 
 using at::vec::Vectorized;
 
-// One step of a row as accumulation-dtype vectors: one vector for
-// float/double, two float vectors for bf16/fp16.
-template <typename scalar_t>
-struct Lanes {
-  using acc_t = at::opmath_type<scalar_t>;
-  using AVec = Vectorized<acc_t>;
-  static constexpr bool kReduced = at::vec::is_reduced_floating_point_v<scalar_t>;
-  static constexpr int kParts = kReduced ? 2 : 1;
-  static constexpr int64_t kStep = AVec::size() * kParts;
-
-  static void load(const scalar_t* p, AVec (&v)[kParts]) {
-    if constexpr (kReduced) {
-      at::vec::load_to_float<scalar_t>(p, v[0], v[1]);
-    } else {
-      v[0] = AVec::loadu(p);
-    }
-  }
-  static void store(scalar_t* p, const AVec (&v)[kParts]) {
-    if constexpr (kReduced) {
-      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
-    } else {
-      v[0].store(p);
-    }
-  }
-};
-
-template <typename acc_t>
-acc_t hsum(const Vectorized<acc_t>& v) {
-  return at::vec::vec_reduce_all<acc_t>(
-      [](Vectorized<acc_t>& a, Vectorized<acc_t>& b) { return a + b; }, v);
-}
-
-// Prefetch distance of the sweeps that read a row from memory (the one-call
-// kernels' measured best, kernels_cpu.cpp).
-constexpr int64_t kPrefetchBytes = 2048;
 // Readers whose dot products one sweep forms (registers: 2 chains each).
 constexpr int kGroup = 4;
 

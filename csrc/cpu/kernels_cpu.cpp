@@ -27,57 +27,13 @@
 #include "attnres/depth_math.h"
 #include "attnres/row_layout.h"
 #include "kernels_cpu.h"
+#include "vec_rows.h"
 
 namespace attnres {
 namespace cpu {
 namespace {
 
 using at::vec::Vectorized;
-
-// Loads/stores one step of a row as opmath vectors: one vector for
-// float/double, two float vectors for bf16/fp16.
-template <typename scalar_t>
-struct Lanes {
-  using acc_t = at::opmath_type<scalar_t>;
-  using AVec = Vectorized<acc_t>;
-  static constexpr bool kReduced =
-      at::vec::is_reduced_floating_point_v<scalar_t>;
-  static constexpr int kParts = kReduced ? 2 : 1;
-  static constexpr int64_t kStep = AVec::size() * kParts;
-
-  static void load(const scalar_t* p, AVec (&v)[kParts]) {
-    if constexpr (kReduced) {
-      at::vec::load_to_float<scalar_t>(p, v[0], v[1]);
-    } else {
-      v[0] = AVec::loadu(p);
-    }
-  }
-  static void store(scalar_t* p, const AVec (&v)[kParts]) {
-    if constexpr (kReduced) {
-      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
-    } else {
-      v[0].store(p);
-    }
-  }
-  // A non-temporal store (no read of the line before it is written) where
-  // the ISA has one for the type; p must be 32-byte aligned.
-  static void store_stream(scalar_t* p, const AVec (&v)[kParts]) {
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      _mm256_stream_ps(p, v[0]);
-      return;
-    } else if constexpr (std::is_same_v<scalar_t, double>) {
-      _mm256_stream_pd(p, v[0]);
-      return;
-    } else if constexpr (kReduced) {
-      const __m256i packed = at::vec::convert_from_float<scalar_t>(v[0], v[1]);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
-      return;
-    }
-#endif
-    store(p, v);
-  }
-};
 
 // Total bytes of source gradients from which the backward writes them with
 // store_stream: far beyond the caches the written lines are only evicted
@@ -117,20 +73,9 @@ void store_fence() {
 }
 
 
-template <typename acc_t>
-acc_t hsum(const Vectorized<acc_t>& v) {
-  return at::vec::vec_reduce_all<acc_t>(
-      [](Vectorized<acc_t>& a, Vectorized<acc_t>& b) { return a + b; }, v);
-}
-
 // Independent accumulators per reduction: one FMA chain would make the sweep
 // latency-bound (4 cycles a step) instead of load-bound.
 constexpr int kChains = 4;
-// Software prefetch distance of the row sweeps that read from memory: the
-// hardware prefetcher ramps up too slowly on N interleaved streams (fp32,
-// N=16, D=1024 forward: 22.7 ms without, 16.7 ms at 2 KiB, 18.2 ms at 1 KiB,
-// 20 ms at 4 KiB on this 2-core machine).
-constexpr int64_t kPrefetchBytes = 2048;
 
 template <typename acc_t>
 acc_t hsum_chains(const Vectorized<acc_t> (&c)[kChains]) {

@@ -13,11 +13,23 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attnres/arguments.h"
 
 namespace attnres {
+
+// u = scale * query * gain in the accumulation dtype, contiguous ([D], or
+// [S, D] for the S readers of a block, docs/design.md §10).
+at::Tensor effective_query(const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+                           double scale, at::ScalarType acc);
+
+// dquery = scale * gain * Z and dgain = scale * query * Z (docs/design.md
+// §2; Z, query and gain [D] or [S, D]), in the parameters' dtypes.
+std::pair<at::Tensor, at::Tensor> parameter_grads(const at::Tensor& z, const at::Tensor& query,
+                                                  const std::optional<at::Tensor>& norm_weight,
+                                                  double scale);
 
 // What a device's forward kernel gets: outputs already allocated
 // (out contiguous in the sources' dtype; rstd and weights [N, ...]
