@@ -285,3 +285,15 @@ def backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, scale
         grad_out, grad_weights, list(sources), query, norm_weight, out, rstd, weights, scale,
         output_mask
     )
+
+
+def randomize_reads(model):
+    """Random queries and gains in every AttnResResidual of a model, so its
+    reads are not plain averages (they start as zeros and ones)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith(".norm_weight"):
+                p.uniform_(0.5, 1.5)
+    return model

@@ -11,7 +11,14 @@ import attnres.modules as modules_mod
 from attnres import reference
 from attnres.models import GPT, GPTConfig
 
-from helpers import GRAD_REL_TOL, REL_TOL, STAT_REL_TOL, assert_rel_close, param_dtype
+from helpers import (
+    GRAD_REL_TOL,
+    REL_TOL,
+    STAT_REL_TOL,
+    assert_rel_close,
+    param_dtype,
+    randomize_reads,
+)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -377,12 +384,7 @@ def gpt(block_reads, **kw):
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=4, n_heads=2, residual="block",
                     block_size=2, block_reads=block_reads, **kw)
     model = GPT(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".query"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(".norm_weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_reads(model)
     return model
 
 

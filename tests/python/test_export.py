@@ -38,6 +38,7 @@ import torch
 
 import attnres  # noqa: F401  (registers torch.ops.attnres.*)
 from attnres.models import GPT, GPTConfig
+from helpers import randomize_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 AOTI_CPP_SOURCE = ROOT / "tests" / "cpp" / "aoti"
@@ -65,13 +66,7 @@ def tiny_gpt(residual: str, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=N_LAYERS,
                           n_heads=2, residual=residual, block_size=3))
-    # Random queries and gains, so the reads are not plain averages.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".query"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(".norm_weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_reads(model)
     return model.eval()
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attnres.models import GPT, GPTConfig
+from helpers import randomize_reads
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 ATTNRES = ["full", "block"]
@@ -26,13 +27,7 @@ def tiny_config(residual, **kw):
 def tiny_model(residual, seed=0, **kw):
     torch.manual_seed(seed)
     model = GPT(tiny_config(residual, **kw))
-    # Random queries and gains, so the reads are not plain averages.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".query"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith(".norm_weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_reads(model)
     return model
 
 
