@@ -50,7 +50,9 @@ struct BlockReadState {
 namespace {
 
 // "auto" reads two-phase from this many completed sources on (below, the
-// two-phase ops move as many bytes or more: docs/design.md §10).
+// two-phase ops move as many bytes or more: docs/design.md §10), and only
+// where autograd does not record: the two-phase backward kernels do not yet
+// recompute rows near the dtype's limits in a wider type (§8).
 constexpr int64_t kAutoMinCompleted = 3;
 
 // Python's name of a dtype ("torch.float32"), so the messages read alike.
@@ -117,7 +119,8 @@ bool DepthStream::two_phase(int64_t num_completed) const {
   if (!embedding_.device().is_cpu()) return false;
   const auto t = embedding_.scalar_type();
   if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
-  return block_reads_ == BlockReads::kTwoPhase || num_completed >= kAutoMinCompleted;
+  if (block_reads_ == BlockReads::kTwoPhase) return true;
+  return num_completed >= kAutoMinCompleted && !at::GradMode::is_enabled();
 }
 
 at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {

@@ -743,6 +743,22 @@ TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
       "block_read_merge_inplace has no derivative");
 }
 
+// kAuto keeps the reads autograd records one-call (the two-phase backward
+// lacks the wide-type recomputation of rows near the dtype's limits);
+// kTwoPhase merges them.
+TEST(TwoPhaseBlockReads, AutoKeepsTrainingReadsOneCall) {
+  at::manual_seed(6);
+  TinyNet net(2);
+  ASSERT_EQ(net->block_reads, attnres::BlockReads::kAuto);
+  const at::Tensor emb = at::randn({3, 5, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor first = net(emb);  // learns the reader order
+  const at::Tensor got = net(emb);
+  EXPECT_THAT(got.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+  EXPECT_TRUE(at::equal(got, first));
+  net->block_reads = attnres::BlockReads::kTwoPhase;
+  EXPECT_THAT(net(emb).grad_fn()->name(), HasSubstr("MergeFunction"));
+}
+
 TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
   const at::Tensor emb = at::randn({2, kD});
   EXPECT_EQ(attnres::DepthStream(emb, 2).block_reads(), attnres::BlockReads::kAuto);

@@ -349,6 +349,24 @@ def test_auto_uses_two_phase_from_the_third_completed_source(monkeypatch):
     assert_rel_close(got, want, REL_TOL[torch.float32])
 
 
+def test_auto_keeps_the_reads_autograd_records_one_call(monkeypatch):
+    """Under "auto", reads that autograd records stay one-call (the two-phase
+    backward lacks the wide-type recomputation of rows near the dtype's
+    limits); without grad mode the same stream reads two-phase."""
+    D, L, S = 16, 8, 2
+    readers, weights = make_stack(L, D, torch.float32)
+    emb = torch.randn(4, D, requires_grad=True)
+    want = run_stack(readers, weights, emb, S, "one_call")
+    run_stack(readers, weights, emb, S, "auto")  # the order is learned either way
+    counts = CountingOps(monkeypatch)
+    got = run_stack(readers, weights, emb, S, "auto")
+    assert counts.phase1 == 0 and counts.merge == 0
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        run_stack(readers, weights, emb, S, "auto")
+    assert counts.phase1 == 3 and counts.merge == 2
+
+
 def test_reordered_readers_fall_back_and_relearn(monkeypatch):
     D, L, S = 16, 6, 3
     readers, weights = make_stack(L, D, torch.float64)

@@ -34,8 +34,10 @@ class AttnResResidualImpl;
 
 // How a Block stream's reads run (docs/design.md §10): kAuto uses the
 // two-phase ops for blocks with at least 3 completed sources (where they
-// move fewer bytes than one-call reads) on CPU; kTwoPhase for every block on
-// CPU; kOneCall never. CUDA streams always read one-call (no two-phase CUDA
+// move fewer bytes than one-call reads) on CPU when grad mode is off (their
+// backward lacks the wide-type recomputation of rows near the dtype's
+// limits); kTwoPhase for every block on CPU, training included; kOneCall
+// never. CUDA streams always read one-call (no two-phase CUDA
 // kernels yet).
 enum class BlockReads { kAuto, kTwoPhase, kOneCall };
 
