@@ -170,15 +170,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
     cpu::block_reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
                                rstd.contiguous(), weights.contiguous(), grads, z});
   }
-  at::Tensor grad_queries, grad_gains;
-  if (z.defined()) std::tie(grad_queries, grad_gains) = parameter_grads(z, queries, norm_weights, scale);
-  if (!want_query) grad_queries = at::Tensor();
-  if (!want_gain) grad_gains = at::Tensor();
-  std::vector<at::Tensor> wanted;
-  for (auto& g : grads) {
-    if (g.defined()) wanted.push_back(std::move(g));
-  }
-  return {wanted, grad_queries, grad_gains};
+  return finish_backward(grads, z, queries, norm_weights, scale, want_query, want_gain);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(

@@ -105,13 +105,18 @@ BackwardResult run_backward(const DeviceKernels& kernels,
     const at::Tensor weights_c = weights.contiguous();
     kernels.backward({p, dh, gw, sources, u, out, rstd_c, weights_c, grads, z});
   }
+  return finish_backward(grads, z, query, norm_weight, scale, want_query, want_gain);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> finish_backward(
+    std::vector<at::Tensor>& grads, const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale, bool want_query, bool want_gain) {
   at::Tensor grad_query, grad_gain;
   if (z.defined()) {
     std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
   }
   if (!want_query) grad_query = at::Tensor();
   if (!want_gain) grad_gain = at::Tensor();
-  // The schema's grad_sources lists the wanted gradients only.
   std::vector<at::Tensor> wanted;
   for (auto& g : grads) {
     if (g.defined()) wanted.push_back(std::move(g));

@@ -10,30 +10,19 @@
 // with the CUDA kernels.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <type_traits>
 #include <vector>
-
-#if defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 
 #include "attnres/depth_math.h"
 #include "attnres/row_layout.h"
 #include "kernels_cpu.h"
-#include "vec_rows.h"
+#include "vec_rows.h"  // Lanes, hsum, kPrefetchBytes (and <immintrin.h> with AVX2)
 
 namespace attnres {
 namespace cpu {
 namespace {
-
-using at::vec::Vectorized;
 
 // Total bytes of source gradients from which the backward writes them with
 // store_stream: far beyond the caches the written lines are only evicted

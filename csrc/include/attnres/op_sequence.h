@@ -31,6 +31,13 @@ std::pair<at::Tensor, at::Tensor> parameter_grads(const at::Tensor& z, const at:
                                                   const std::optional<at::Tensor>& norm_weight,
                                                   double scale);
 
+// The end of a backward: the query/gain gradients from z (where z is
+// defined), undefined where not wanted, and the wanted source gradients
+// only, in order (the schemas' grad_sources).
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> finish_backward(
+    std::vector<at::Tensor>& grads, const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale, bool want_query, bool want_gain);
+
 // What a device's forward kernel gets: outputs already allocated
 // (out contiguous in the sources' dtype; rstd and weights [N, ...]
 // contiguous in the accumulation dtype). Never called with T == 0.
