@@ -31,6 +31,24 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor rstd, "
       "Tensor weights, float scale, bool[] output_mask) -> "
       "(Tensor[] grad_sources, Tensor grad_query, Tensor grad_norm_weight)");
+  // The read with its output normalized (docs/design.md §11):
+  // out = RMSNorm(h) * out_weight (eps out_eps), fused into the read, so the
+  // sublayer needs no pre-norm of its own. h (the backward needs it) is
+  // written only with keep_h, else an empty tensor comes back; out_rstd
+  // [...] is the norm's per-token rstd. The autograd kernel keeps h
+  // whenever it records, whatever keep_h says.
+  m.def(
+      "depth_attention_normed_fwd(Tensor[] sources, Tensor query, Tensor? norm_weight, "
+      "Tensor out_weight, float eps, float scale, float out_eps, bool keep_h) -> "
+      "(Tensor out, Tensor h, Tensor rstd, Tensor weights, Tensor out_rstd)");
+  // Backward from the gradients of out and of the weights; output_mask has
+  // N + 3 entries (each source, query, norm_weight, out_weight).
+  m.def(
+      "depth_attention_normed_bwd(Tensor? grad_out, Tensor? grad_weights, "
+      "Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor out_weight, "
+      "Tensor h, Tensor rstd, Tensor weights, Tensor out_rstd, float scale, "
+      "bool[] output_mask) -> (Tensor[] grad_sources, Tensor grad_query, "
+      "Tensor grad_norm_weight, Tensor grad_out_weight)");
   // Two-phase Block reads (docs/design.md §10; kernels and autograd in
   // block_reads.cpp). Phase 1: the N completed sources read once for the S
   // readers of a block (queries [S, D]): each reader's softmax-weighted
@@ -130,6 +148,54 @@ std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
   auto [h, rstd, weights] =
       depth_attention_fwd(sources, query, norm_weight, eps, scale);
   return {h, weights};
+}
+
+NormedForward depth_attention_normed_fwd(at::TensorList sources, const at::Tensor& query,
+                                         const std::optional<at::Tensor>& norm_weight,
+                                         const at::Tensor& out_weight, double eps,
+                                         double scale, double out_eps, bool keep_h) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("attnres::depth_attention_normed_fwd", "")
+                       .typed<NormedForward(at::TensorList, const at::Tensor&,
+                                            const std::optional<at::Tensor>&, const at::Tensor&,
+                                            double, double, double, bool)>();
+  return op.call(sources, query, norm_weight, out_weight, eps, scale, out_eps, keep_h);
+}
+
+NormedBackward depth_attention_normed_bwd(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
+    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
+    const c10::List<bool>& output_mask) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attnres::depth_attention_normed_bwd", "")
+          .typed<NormedBackward(const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, at::TensorList,
+                                const at::Tensor&, const std::optional<at::Tensor>&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double,
+                                const c10::List<bool>&)>();
+  return op.call(grad_out, grad_weights, sources, query, norm_weight, out_weight, h, rstd,
+                 weights, out_rstd, scale, output_mask);
+}
+
+at::Tensor depth_attention_normed(at::TensorList sources, const at::Tensor& query,
+                                  const std::optional<at::Tensor>& norm_weight,
+                                  const at::Tensor& out_weight, double eps, double scale,
+                                  double out_eps) {
+  return std::get<0>(depth_attention_normed_fwd(sources, query, norm_weight, out_weight, eps,
+                                                scale, out_eps, /*keep_h=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> depth_attention_normed_with_weights(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight, double eps,
+    double scale, double out_eps) {
+  auto result = depth_attention_normed_fwd(sources, query, norm_weight, out_weight, eps, scale,
+                                           out_eps, /*keep_h=*/false);
+  return {std::get<0>(result), std::get<3>(result)};
 }
 
 }  // namespace attnres

@@ -87,7 +87,17 @@ struct DeviceSources {
   }
 };
 
+// The fused output norm (depth_attention_normed_*) has no CUDA kernel yet:
+// say so rather than compute something else.
+void refuse_out_norm(bool has_out_norm) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!has_out_norm,
+                              "attnres: depth_attention_normed (the fused output norm) has no "
+                              "CUDA kernel yet; use depth_attention and a separate RMSNorm on "
+                              "CUDA tensors");
+}
+
 void forward(const ForwardCall& call) {
+  refuse_out_norm(call.out_norm != nullptr);
   const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -107,6 +117,7 @@ void forward(const ForwardCall& call) {
 // sum_j a_j gw_j from the forward's h, call.out); bfloat16/float16: the
 // two-pass one (from the saved weights; docs/design.md §2, §7, §8).
 void backward(const BackwardCall& call) {
+  refuse_out_norm(call.out_norm != nullptr);
   const DepthProblem& p = call.problem;
   const Rows dh = as_rows(call.grad_out);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -38,6 +38,23 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  const at::Tensor& weights, double scale,
                                  const c10::List<bool>& output_mask);
 
+// The fused output norm (docs/design.md §11): out_weight [D] on the sources'
+// device, in their dtype or fp32 with bf16/fp16 sources (as query), and
+// out_eps finite and >= 0 (as eps).
+void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
+                         at::TensorList sources, const DepthProblem& p);
+
+// The normed backward's arguments: the one-call backward's (h standing for
+// out), out_weight, and out_rstd [lead...] in the accumulation dtype;
+// output_mask has N + 3 entries (each source, query, norm_weight,
+// out_weight).
+DepthProblem check_normed_backward_args(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
+    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
+    const c10::List<bool>& output_mask);
+
 // A dense (strided) tensor, or a ValueError naming the argument (name, or
 // name[index] when index >= 0): nested and sparse tensors have no sizes or
 // strides the kernels can read. check_forward_args/check_backward_args run

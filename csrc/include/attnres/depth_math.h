@@ -284,5 +284,27 @@ ATTNRES_HD bool backward_row_is_rare(acc_t a, acc_t r, acc_t s, acc_t dp,
                         (s != acc_t(0) && abs_acc(g.beta) < C::kTiny));
 }
 
+// ---- fused output norm (docs/design.md §11) -------------------------------
+// The normed read returns y = (r h) * w, r = 1/sqrt(mean(h^2) + eps) of the
+// read h (in the accumulation type, before h is rounded). Its rstd comes
+// from sum(h^2) like a key row's: rstd_from_sumsq, or — when
+// row_needs_rescale(sumsq, 0, eps) — from the sum of the scaled row c h,
+// c = rescale_factor(sumsq):
+template <typename acc_t>
+ATTNRES_HD acc_t out_norm_rstd_rescaled(acc_t sumsq_c, acc_t c, int64_t D, acc_t eps) {
+  acc_t r, unused;
+  rescaled_stats(sumsq_c, acc_t(0), c, D, eps, r, unused);
+  return r;
+}
+
+// Backward of one token from dy, with n = r h and g = dy * w:
+//   dh = r (g - c n),  c = <g, n> / D;   dw += dy * n (summed over tokens).
+// n is formed elementwise (r * h), so <g, n> stays in range where <g, h>
+// would not (h near the dtype's limits). Elementwise (works on Vectorized).
+template <typename T>
+ATTNRES_HD T out_norm_grad(T r, T g, T c, T n) {
+  return r * (g - c * n);
+}
+
 }  // namespace math
 }  // namespace attnres

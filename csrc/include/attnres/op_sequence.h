@@ -38,6 +38,21 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> finish_backward(
     std::vector<at::Tensor>& grads, const at::Tensor& z, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double scale, bool want_query, bool want_gain);
 
+// The fused output norm of a read (docs/design.md §11): the forward writes
+// y = RMSNorm(h) * weight instead of h, the backward starts from dy.
+struct OutNormForward {
+  const at::Tensor& weight;  // [D], accumulation dtype, contiguous
+  double eps;
+  at::Tensor& rstd;  // [lead...], accumulation dtype: the norm's rstd per token
+  at::Tensor& h;     // h itself (the backward's), contiguous; undefined: not kept
+};
+
+struct OutNormBackward {
+  const at::Tensor& weight;  // [D], accumulation dtype, contiguous
+  const at::Tensor& rstd;    // the forward's, contiguous
+  at::Tensor& grad_weight;   // [D], accumulation dtype: to set; undefined: not wanted
+};
+
 // What a device's forward kernel gets: outputs already allocated
 // (out contiguous in the sources' dtype; rstd and weights [N, ...]
 // contiguous in the accumulation dtype). Never called with T == 0.
@@ -49,6 +64,8 @@ struct ForwardCall {
   at::Tensor& out;
   at::Tensor& rstd;
   at::Tensor& weights;
+  // Non-null: out gets RMSNorm(h) * out_norm->weight (the normed op).
+  const OutNormForward* out_norm = nullptr;
 };
 
 // What a device's backward kernel gets. grad_out is always defined (zeros
@@ -71,6 +88,9 @@ struct BackwardCall {
   const at::Tensor& weights;  // contiguous
   std::vector<at::Tensor>& grad_sources;
   at::Tensor& z;
+  // Non-null (the normed op): grad_out is the gradient of y =
+  // RMSNorm(h) * weight, and out is h; dh is formed per token in the kernel.
+  const OutNormBackward* out_norm = nullptr;
 };
 
 struct DeviceKernels {
@@ -98,7 +118,25 @@ BackwardResult run_backward(const DeviceKernels& kernels,
                             const at::Tensor& weights, double scale,
                             const c10::List<bool>& output_mask);
 
-// Registers a device's kernels for both ops under its dispatch key:
+using NormedForwardResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using NormedBackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
+
+NormedForwardResult run_normed_forward(const DeviceKernels& kernels, at::TensorList sources,
+                                       const at::Tensor& query,
+                                       const std::optional<at::Tensor>& norm_weight,
+                                       const at::Tensor& out_weight, double eps, double scale,
+                                       double out_eps, bool keep_h);
+
+NormedBackwardResult run_normed_backward(
+    const DeviceKernels& kernels, const std::optional<at::Tensor>& grad_out,
+    const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
+    const c10::List<bool>& output_mask);
+
+// Registers a device's kernels for the four ops under its dispatch key:
 //   TORCH_LIBRARY_IMPL(attnres, CPU, m) { register_device_kernels<kCpu>(m); }
 template <const DeviceKernels& kernels>
 void register_device_kernels(torch::Library& m) {
@@ -119,6 +157,24 @@ void register_device_kernels(torch::Library& m) {
            return run_backward(kernels, grad_out, grad_weights, sources, query,
                                norm_weight, out, rstd, weights, scale,
                                output_mask);
+         });
+  m.impl("depth_attention_normed_fwd",
+         [](at::TensorList sources, const at::Tensor& query,
+            const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
+            double eps, double scale, double out_eps, bool keep_h) {
+           return run_normed_forward(kernels, sources, query, norm_weight, out_weight, eps,
+                                     scale, out_eps, keep_h);
+         });
+  m.impl("depth_attention_normed_bwd",
+         [](const std::optional<at::Tensor>& grad_out,
+            const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
+            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+            const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+            const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
+            const c10::List<bool>& output_mask) {
+           return run_normed_backward(kernels, grad_out, grad_weights, sources, query,
+                                      norm_weight, out_weight, h, rstd, weights, out_rstd,
+                                      scale, output_mask);
          });
 }
 
