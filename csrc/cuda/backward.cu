@@ -7,10 +7,14 @@ namespace attnres {
 namespace cuda {
 namespace {
 
+// The plain kernel, or the fused output norm's instantiation (its own, so
+// the plain kernel's registers do not change).
 template <typename scalar_t>
-auto backward_kernel_for() {
-  return [](auto vec, auto vpt) {
-    return depth_attention_bwd_kernel<scalar_t, decltype(vec)::value, decltype(vpt)::value>;
+auto backward_kernel_for(bool normed) {
+  return [normed](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    return normed ? depth_attention_bwd_kernel<scalar_t, VEC, VPT, true>
+                  : depth_attention_bwd_kernel<scalar_t, VEC, VPT, false>;
   };
 }
 
@@ -19,14 +23,15 @@ auto backward_kernel_for() {
 template <typename scalar_t>
 void launch_backward(const BackwardParams<scalar_t>& params, const LaunchConfig& config,
                      cudaStream_t stream) {
-  launch_tiled<scalar_t>(backward_kernel_for<scalar_t>(), params, config, stream);
+  launch_tiled<scalar_t>(backward_kernel_for<scalar_t>(params.norm_weight != nullptr), params,
+                         config, stream);
 }
 
 template <typename scalar_t>
-int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes) {
+int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed) {
   int blocks = 0;
   with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
-    blocks = blocks_per_sm(backward_kernel_for<scalar_t>()(vec, vpt),
+    blocks = blocks_per_sm(backward_kernel_for<scalar_t>(normed)(vec, vpt),
                            tile.group * tile.tokens_per_cta, smem_bytes);
   });
   return blocks;
@@ -46,7 +51,7 @@ template void launch_sum_partial_rows<double>(const double*, int64_t, int, doubl
 #define ATTNRES_INSTANTIATE_BACKWARD(T)                                        \
   template void launch_backward<T>(const BackwardParams<T>&,                   \
                                    const LaunchConfig&, cudaStream_t);         \
-  template int backward_blocks_per_sm<T>(const TileConfig&, size_t);
+  template int backward_blocks_per_sm<T>(const TileConfig&, size_t, bool);
 
 ATTNRES_INSTANTIATE_BACKWARD(double)
 ATTNRES_INSTANTIATE_BACKWARD(float)

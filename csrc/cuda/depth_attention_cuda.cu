@@ -14,8 +14,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
+
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -87,17 +90,18 @@ struct DeviceSources {
   }
 };
 
-// The fused output norm (depth_attention_normed_*) has no CUDA kernel yet:
-// say so rather than compute something else.
-void refuse_out_norm(bool has_out_norm) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!has_out_norm,
-                              "attnres: depth_attention_normed (the fused output norm) has no "
-                              "CUDA kernel yet; use depth_attention and a separate RMSNorm on "
-                              "CUDA tensors");
+// The output norm's weight as the kernels read it: VEC-element packs of the
+// accumulation dtype, so 16-byte aligned (the op passes the caller's tensor
+// through when it is already contiguous in that dtype, possibly a view at
+// any offset): copied when it is not.
+at::Tensor pack_aligned(const at::Tensor& weight) {
+  if (reinterpret_cast<uintptr_t>(weight.const_data_ptr()) % 16 == 0) return weight;
+  at::Tensor copy = at::empty_like(weight, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  copy.copy_(weight);
+  return copy;
 }
 
 void forward(const ForwardCall& call) {
-  refuse_out_norm(call.out_norm != nullptr);
   const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -105,20 +109,33 @@ void forward(const ForwardCall& call) {
         using acc_t = at::opmath_type<scalar_t>;
         const DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
-        const auto launch = forward_launch<scalar_t>(
+        auto launch = forward_launch<scalar_t>(
             src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(),
             call.out.data_ptr<scalar_t>(), call.rstd.data_ptr<acc_t>(),
             call.weights.data_ptr<acc_t>(), p.T, p.N, p.D, static_cast<acc_t>(call.eps));
+        at::Tensor norm_weight;
+        if (const OutNormForward* norm = call.out_norm) {
+          // The epilogue normalizes h in registers: out gets (h r) * w,
+          // norm->h (when kept) h itself (docs/design.md §7).
+          norm_weight = pack_aligned(norm->weight);
+          set_forward_norm<scalar_t>(
+              launch.params, norm_weight.const_data_ptr<acc_t>(), norm->rstd.data_ptr<acc_t>(),
+              norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr,
+              static_cast<acc_t>(norm->eps));
+        }
         launch_forward<scalar_t>(launch.params, launch.config, stream);
       });
 }
 
 // float32/float64: the single-pass backward (sum_j a_j dp_j = <dh, h> +
 // sum_j a_j gw_j from the forward's h, call.out); bfloat16/float16: the
-// two-pass one (from the saved weights; docs/design.md §2, §7, §8).
+// two-pass one (from the saved weights; docs/design.md §2, §7, §8). With
+// the output norm (call.out_norm), grad_out is dy and every kernel reads h
+// (call.out) to form dh in its prologue.
 void backward(const BackwardCall& call) {
-  refuse_out_norm(call.out_norm != nullptr);
   const DepthProblem& p = call.problem;
+  const OutNormBackward* norm = call.out_norm;
+  const bool want_dw = norm && norm->grad_weight.defined();
   const Rows dh = as_rows(call.grad_out);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
@@ -129,18 +146,20 @@ void backward(const BackwardCall& call) {
                                 sizeof(scalar_t), stream);
         const scalar_t* grad_out = dh.tensor.const_data_ptr<scalar_t>();
         // h only where it is read (as rows: a layout that does not collapse
-        // into rows is copied, which the two-pass kernel need not pay).
-        const Rows h = backward_single_pass<scalar_t>() ? as_rows(call.out) : Rows{};
+        // into rows is copied, which the plain two-pass kernel need not pay).
+        const Rows h =
+            backward_single_pass<scalar_t>() || norm ? as_rows(call.out) : Rows{};
         const scalar_t* out =
             h.tensor.defined() ? h.tensor.const_data_ptr<scalar_t>() : nullptr;
         const BackwardPlan plan = backward_plan<scalar_t>(
             src.layout, grad_out, dh.row_stride, out, h.row_stride, p.T, p.N, p.D,
-            static_cast<int64_t>(props->sharedMemPerBlockOptin));
+            static_cast<int64_t>(props->sharedMemPerBlockOptin), norm != nullptr, want_dw);
         // A grid of a few waves of the CTAs the device holds at once
         // (backward_grid_cap): each CTA loops over tokens and keeps its share
         // of z in registers, so the partial rows stay few. It depends only on
         // the shape, the device and the tile: same bits every run.
-        const int blocks_per_sm = backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes);
+        const int blocks_per_sm =
+            backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes, norm != nullptr);
         TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
                     plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
                     plan.smem_bytes, " bytes of shared memory on this device");
@@ -151,16 +170,41 @@ void backward(const BackwardCall& call) {
             call.grad_weights.defined() ? call.grad_weights.const_data_ptr<acc_t>() : nullptr,
             p.T, p.N, p.D,
             backward_grid_cap(static_cast<int64_t>(blocks_per_sm) * props->multiProcessorCount,
-                              p.D, sizeof(acc_t)));
+                              p.D, sizeof(acc_t)),
+            norm != nullptr);
         at::Tensor partial;
         if (call.z.defined()) {
           partial = at::empty({launch.config.grid, p.D}, call.z.options());
           launch.params.z_partial = partial.data_ptr<acc_t>();
         }
+        // The output norm's weight gradient: per-CTA partial rows like z's
+        // (and the per-thread accumulators in global memory when the plan
+        // found no room for them in shared memory), summed in a fixed order.
+        at::Tensor norm_weight, dw_partial, dw_slots;
+        if (norm) {
+          norm_weight = pack_aligned(norm->weight);
+          if (want_dw) {
+            dw_partial = at::empty({launch.config.grid, p.D}, norm->grad_weight.options());
+            if (plan.norm_slots_offset < 0) {
+              dw_slots = at::empty({launch.config.grid, plan.norm_slots_per_cta},
+                                   norm->grad_weight.options());
+            }
+          }
+          set_backward_norm<scalar_t>(
+              launch.params, norm_weight.const_data_ptr<acc_t>(),
+              norm->rstd.const_data_ptr<acc_t>(),
+              dw_partial.defined() ? dw_partial.data_ptr<acc_t>() : nullptr,
+              dw_slots.defined() ? dw_slots.data_ptr<acc_t>() : nullptr);
+        }
         launch_backward<scalar_t>(launch.params, launch.config, stream);
         if (call.z.defined()) {
           launch_sum_partial_rows<acc_t>(partial.const_data_ptr<acc_t>(), launch.config.grid,
                                          static_cast<int>(p.D), call.z.data_ptr<acc_t>(), stream);
+        }
+        if (want_dw) {
+          launch_sum_partial_rows<acc_t>(dw_partial.const_data_ptr<acc_t>(), launch.config.grid,
+                                         static_cast<int>(p.D),
+                                         norm->grad_weight.data_ptr<acc_t>(), stream);
         }
       });
 }

@@ -8,9 +8,14 @@ namespace cuda {
 template <typename scalar_t>
 void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
                     cudaStream_t stream) {
+  // The fused output norm (params.norm_weight set) has its own
+  // instantiation, so the plain kernel's registers do not change.
+  const bool normed = params.norm_weight != nullptr;
   launch_tiled<scalar_t>(
-      [](auto vec, auto vpt) {
-        return depth_attention_fwd_kernel<scalar_t, decltype(vec)::value, decltype(vpt)::value>;
+      [normed](auto vec, auto vpt) {
+        constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>
+                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>;
       },
       params, config, stream);
 }

@@ -93,22 +93,38 @@ KernelLaunch<ForwardParams<scalar_t>> forward_launch(
   return launch;
 }
 
+// The fused output norm's forward: out gets (h r) * weight, r goes to
+// rstd ([T]), h to h ([T, D] contiguous) when not null. weight ([D]) must
+// be aligned for VEC-element packs of the accumulation dtype (16 bytes).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void set_forward_norm(ForwardParams<scalar_t>& params, const acc_t* weight, acc_t* rstd,
+                      scalar_t* h, acc_t eps) {
+  params.norm_weight = weight;
+  params.norm_rstd = rstd;
+  params.norm_h = h;
+  params.norm_eps = eps;
+}
+
 // Backward plan (tile, staging, dynamic shared memory): the caller asks the
 // device how many CTAs of it are resident before building the launch.
-// out (the forward's h) is read by the single-pass backward only
-// (backward_single_pass<scalar_t>()); the two-pass one ignores it.
+// out (the forward's h) is read by the single-pass backward and by the
+// normed one (normed: dh is formed from dy and h); the plain two-pass one
+// ignores it. norm_grad_weight: the normed op's weight gradient is wanted
+// (its accumulators need room, BackwardPlan).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* grad_out,
                            int64_t grad_out_stride, const scalar_t* out, int64_t out_stride,
-                           int64_t T, int64_t N, int64_t D, int64_t smem_optin_bytes) {
+                           int64_t T, int64_t N, int64_t D, int64_t smem_optin_bytes,
+                           bool normed = false, bool norm_grad_weight = false) {
   constexpr int natural = natural_vec<scalar_t>();
   constexpr bool single_pass = backward_single_pass<scalar_t>();
   const bool vector_ok =
       sources.vector_aligned &&
       rows_aligned(grad_out, grad_out_stride, T, natural, sizeof(scalar_t)) &&
-      (!single_pass || rows_aligned(out, out_stride, T, natural, sizeof(scalar_t)));
+      (!(single_pass || normed) || rows_aligned(out, out_stride, T, natural, sizeof(scalar_t)));
   return plan_backward(choose_backward_tile(D, vector_ok, natural), N, D, natural,
-                       sizeof(acc_t), smem_optin_bytes, single_pass);
+                       sizeof(acc_t), smem_optin_bytes, single_pass,
+                       normed && norm_grad_weight);
 }
 
 // Backward: the grid is at most grid_cap CTAs (on a GPU a few waves of the
@@ -121,16 +137,16 @@ KernelLaunch<BackwardParams<scalar_t>> backward_launch(
     const SourceEntry* overflow_on_device, const acc_t* u, const scalar_t* grad_out,
     int64_t grad_out_stride, const scalar_t* out, int64_t out_stride, const acc_t* rstd,
     const acc_t* weights, const acc_t* grad_weights, int64_t T, int64_t N, int64_t D,
-    int64_t grid_cap) {
+    int64_t grid_cap, bool normed = false) {
   KernelLaunch<BackwardParams<scalar_t>> launch{};
   fill_common(launch.params, sources, overflow_on_device, u, T, N, D, plan.tile);
   launch.params.grad_out = grad_out;
   launch.params.grad_out_stride = grad_out_stride;
-  const bool single_pass = backward_single_pass<scalar_t>();
-  TORCH_CHECK(!single_pass || out != nullptr,
-              "attnres: the single-pass CUDA backward needs the forward's output h");
-  launch.params.out = single_pass ? out : nullptr;
-  launch.params.out_stride = single_pass ? out_stride : 0;
+  const bool reads_h = backward_single_pass<scalar_t>() || normed;
+  TORCH_CHECK(!reads_h || out != nullptr,
+              "attnres: the single-pass or normed CUDA backward needs the forward's h");
+  launch.params.out = reads_h ? out : nullptr;
+  launch.params.out_stride = reads_h ? out_stride : 0;
   launch.params.rstd = rstd;
   launch.params.weights = weights;
   launch.params.grad_weights = grad_weights;
@@ -139,7 +155,23 @@ KernelLaunch<BackwardParams<scalar_t>> backward_launch(
   launch.config.tile = plan.tile;
   launch.config.grid = std::min({launch.params.token_blocks, grid_cap, kMaxGrid});
   launch.config.smem_bytes = plan.smem_bytes;
+  launch.params.norm_slots_offset = plan.norm_slots_offset;
   return launch;
+}
+
+// The fused output norm's backward: weight and rstd ([D], [T]); dw_partial
+// ([config.grid, D], or null: the weight gradient is not wanted) and, when
+// the plan put the accumulators in global memory (norm_slots_offset < 0),
+// dw_slots ([config.grid, plan.norm_slots_per_cta]).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void set_backward_norm(BackwardParams<scalar_t>& params, const acc_t* weight, const acc_t* rstd,
+                       acc_t* dw_partial, acc_t* dw_slots) {
+  params.norm_weight = weight;
+  params.norm_rstd = rstd;
+  params.norm_dw_partial = dw_partial;
+  params.norm_dw_slots = dw_partial ? dw_slots : nullptr;
+  TORCH_CHECK(dw_partial == nullptr || dw_slots != nullptr || params.norm_slots_offset >= 0,
+              "attnres: the normed CUDA backward's weight-gradient accumulators have no room");
 }
 
 }  // namespace cuda

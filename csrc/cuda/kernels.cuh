@@ -455,6 +455,18 @@ struct ThreadPlace {
 // ---------------------------------------------------------------------------
 // Forward pieces shared by the kernel's fast path and its rare rescue.
 
+// Turns the parked scores of token t into weights (the lanes that parked
+// them).
+template <typename scalar_t>
+__device__ __forceinline__ void forward_finish_weights(
+    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm) {
+  for (int i = pos.lane; i < pos.N; i += pos.G) {
+    const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+    p.weights[idx] = sm.weight(p.weights[idx]);
+  }
+}
+
 // Stores h and turns the parked scores into weights (token t).
 template <typename scalar_t, int VEC, int VPT>
 __device__ __forceinline__ void forward_store_token(
@@ -475,10 +487,92 @@ __device__ __forceinline__ void forward_store_token(
       store_global<scalar_t, VEC, true>(out_row + c, o);
     }
   }
-  for (int i = pos.lane; i < pos.N; i += pos.G) {
-    const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
-    p.weights[idx] = sm.weight(p.weights[idx]);
+  forward_finish_weights(p, pos, t, sm);
+}
+
+// One pack of the fused output norm's result, (h r) * w, and of h, rounded
+// to the source dtype (h in the accumulation dtype: the norm uses it before
+// it is rounded).
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ void forward_store_normed_pack(const ForwardParams<scalar_t>& p,
+                                                          int64_t t, int D, int c,
+                                                          const at::opmath_type<scalar_t> (&h)[VEC],
+                                                          at::opmath_type<scalar_t> r) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  const Pack<acc_t, VEC> w = load_global<acc_t, VEC>(p.norm_weight + c);
+  Row y, hr;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    y.x[e] = static_cast<scalar_t>((h[e] * r) * w.x[e]);
+    hr.x[e] = static_cast<scalar_t>(h[e]);
   }
+  const int64_t at = t * static_cast<int64_t>(D) + c;
+  store_global<scalar_t, VEC, true>(p.out + at, y);
+  if (p.norm_h) store_global<scalar_t, VEC, true>(p.norm_h + at, hr);
+}
+
+// The fused output norm's epilogue (token t, every thread of the reduction
+// peers calls it): r from sum(h^2) of the accumulator in registers (one
+// group reduction; a second one, with the row scaled by a power of two, only
+// when some peer's sum is out of range, math::row_needs_rescale), then, when
+// `store`, (h r) * w and h stored once from the registers and the weights
+// finished. Returns the parity.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ int forward_store_token_normed(
+    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const at::opmath_type<scalar_t> (&acc)[VPT][VEC],
+    const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm, bool store,
+    at::opmath_type<scalar_t>* red, int parity) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t f = sm.out_factor();
+  acc_t ss[1] = {acc_t(0)};
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = (k * pos.G + pos.lane) * VEC;
+    if (c < pos.D) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const acc_t h = acc[k][e] * f;
+        ss[0] += h * h;
+      }
+    }
+  }
+  group_allreduce<1>(ss, pos.G, red, parity);
+  acc_t r = math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
+  const bool rescale = math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
+  if (reduction_peers_any(rescale, pos.G, p.tokens_per_cta)) {
+    const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
+    acc_t sc[1] = {acc_t(0)};
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t x = (acc[k][e] * f) * scale;
+          sc[0] += x * x;
+        }
+      }
+    }
+    group_allreduce<1>(sc, pos.G, red, parity);
+    if (rescale) r = math::out_norm_rstd_rescaled(sc[0], scale, static_cast<int64_t>(pos.D), p.norm_eps);
+  }
+  if (store) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) {
+        acc_t h[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) h[e] = acc[k][e] * f;
+        forward_store_normed_pack<scalar_t, VEC>(p, t, pos.D, c, h, r);
+      }
+    }
+    if (pos.lane == 0) p.norm_rstd[t] = r;
+    forward_finish_weights(p, pos, t, sm);
+  }
+  return parity;
 }
 
 // Folds source i (score s, row in registers) into the token's softmax and
@@ -525,8 +619,10 @@ __device__ __forceinline__ void sync_reduction_peers(int G) {
 // rescued sums (row scaled by a power of two) where the plain sums are out
 // of range; then, when `store`, h from the weights, one pack at a time.
 // Rows are streamed from memory and nothing but one pack is accumulated,
-// so it adds no register pressure to the fast path. Returns the parity.
-template <typename scalar_t, int VEC, int VPT>
+// so it adds no register pressure to the fast path. kNorm: h is formed
+// twice more, for its sum of squares (the output norm's r, rescued in turn
+// when out of range), and stored as (h r) * w (and h). Returns the parity.
+template <typename scalar_t, int VEC, int VPT, bool kNorm>
 __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t>& p,
                                                     const ThreadPlace& pos, int64_t t, bool store,
                                                     at::opmath_type<scalar_t>* red, int parity) {
@@ -591,7 +687,68 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
     }
   }
   sync_reduction_peers(pos.G);  // the parked scores are visible
-  if (store) {
+  if constexpr (kNorm) {
+    // This thread's pack of h at column c, from the weights (the same bits
+    // each time).
+    const acc_t f = sm.out_factor();
+    auto h_pack = [&](int c, acc_t (&h)[VEC]) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
+      for (int i = 0; i < pos.N; ++i) {
+        const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * pos.T + t]);
+        const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) h[e] *= f;
+    };
+    acc_t ss[1] = {acc_t(0)};
+    if (store) {
+#pragma unroll 1
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c >= pos.D) continue;
+        acc_t h[VEC];
+        h_pack(c, h);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) ss[0] += h[e] * h[e];
+      }
+    }
+    group_allreduce<1>(ss, pos.G, red, parity);
+    const bool rescale = store && math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
+    const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
+    acc_t sc[1] = {acc_t(0)};
+    if (rescale) {
+#pragma unroll 1
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c >= pos.D) continue;
+        acc_t h[VEC];
+        h_pack(c, h);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t x = h[e] * scale;
+          sc[0] += x * x;
+        }
+      }
+    }
+    group_allreduce<1>(sc, pos.G, red, parity);
+    const acc_t r = rescale ? math::out_norm_rstd_rescaled(sc[0], scale,
+                                                           static_cast<int64_t>(pos.D), p.norm_eps)
+                            : math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
+    if (store) {
+#pragma unroll 1
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c >= pos.D) continue;
+        acc_t h[VEC];
+        h_pack(c, h);
+        forward_store_normed_pack<scalar_t, VEC>(p, t, pos.D, c, h, r);
+      }
+      if (pos.lane == 0) p.norm_rstd[t] = r;
+    }
+  } else if (store) {
     const acc_t f = sm.out_factor();
     scalar_t* out_row = p.out + t * static_cast<int64_t>(pos.D);
 #pragma unroll 1
@@ -614,19 +771,16 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
     }
   }
   sync_reduction_peers(pos.G);  // every read of the parked scores is done
-  if (store) {
-    for (int i = pos.lane; i < pos.N; i += pos.G) {
-      const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
-      p.weights[idx] = sm.weight(p.weights[idx]);
-    }
-  }
+  if (store) forward_finish_weights(p, pos, t, sm);
   return parity;
 }
 
 // ---------------------------------------------------------------------------
 // Forward: one pass over the sources with an online softmax; each source row
-// is read from global memory exactly once.
-template <typename scalar_t, int VEC, int VPT>
+// is read from global memory exactly once. kNorm (the fused output norm):
+// the epilogue normalizes h in registers before its one store
+// (forward_store_token_normed).
+template <typename scalar_t, int VEC, int VPT, bool kNorm>
 __global__ void __launch_bounds__(kMaxThreads)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -700,12 +854,18 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
 
-    if (active && !rescue) forward_store_token<scalar_t, VEC, VPT>(p, pos, t, acc, sm);
+    if constexpr (kNorm) {
+      parity = forward_store_token_normed<scalar_t, VEC, VPT>(p, pos, t, acc, sm,
+                                                              active && !rescue, red, parity);
+    } else {
+      if (active && !rescue) forward_store_token<scalar_t, VEC, VPT>(p, pos, t, acc, sm);
+    }
 
     // Rare: a row of some token of this warp/CTA is out of range
     // (math::row_needs_rescale): that token is computed again.
     if (reduction_peers_any(rescue, pos.G, p.tokens_per_cta)) {
-      parity = forward_token_rescue<scalar_t, VEC, VPT>(p, pos, t, rescue && active, red, parity);
+      parity = forward_token_rescue<scalar_t, VEC, VPT, kNorm>(p, pos, t, rescue && active, red,
+                                                               parity);
     }
   }
 }
@@ -735,13 +895,84 @@ __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch(const BackwardParams<s
   return load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
 }
 
+// The fused output norm's dh of one element from dy and h (token rstd r,
+// c = <g, n>/D): r (g - c n) with g = dy w, n = r h, rounded to the source
+// dtype like the plain op's incoming dh. The fast path and the rare path
+// both form it here (the same bits).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ scalar_t norm_dh(acc_t r, acc_t c, acc_t w, scalar_t dy, scalar_t h) {
+  return static_cast<scalar_t>(
+      math::out_norm_grad(r, static_cast<acc_t>(dy) * w, c, r * static_cast<acc_t>(h)));
+}
+
+// Adds one pack's terms of <g, n> = sum (dy w)(r h) to gn, in element
+// order (the fast path and the rare path sum in the same order: the same
+// bits).
 template <typename scalar_t, int VEC>
-__device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(const BackwardParams<scalar_t>& p,
-                                                             const ThreadPlace& pos, int64_t t,
-                                                             int k) {
+__device__ __forceinline__ void norm_gn_add(at::opmath_type<scalar_t>& gn,
+                                            const Pack<scalar_t, VEC>& dy,
+                                            const Pack<scalar_t, VEC>& h,
+                                            const Pack<at::opmath_type<scalar_t>, VEC>& w,
+                                            at::opmath_type<scalar_t> r) {
+  using acc_t = at::opmath_type<scalar_t>;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    gn += (static_cast<acc_t>(dy.x[e]) * w.x[e]) * (r * static_cast<acc_t>(h.x[e]));
+  }
+}
+
+// c = <g, n> / D of token t again, for the rare path (every thread of the
+// CTA calls it), from memory one pack at a time: the fast path's r and c
+// are not kept in registers across the sweep.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ at::opmath_type<scalar_t> norm_token_c(
+    const BackwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    at::opmath_type<scalar_t> r, at::opmath_type<scalar_t>* red, int& parity) {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t gn[1] = {acc_t(0)};
+#pragma unroll 1
+  for (int k = 0; k < VPT; ++k) {
+    const int c = (k * pos.G + pos.lane) * VEC;
+    if (c < pos.D) {
+      norm_gn_add<scalar_t, VEC>(
+          gn[0], load_global<scalar_t, VEC>(p.grad_out + t * p.grad_out_stride + c),
+          load_global<scalar_t, VEC>(p.out + t * p.out_stride + c),
+          load_global<acc_t, VEC>(p.norm_weight + c), r);
+    }
+  }
+  group_allreduce<1>(gn, pos.G, red, parity);
+  return gn[0] / static_cast<acc_t>(pos.D);
+}
+
+// kNorm: this thread's accumulators of the weight gradient (element j at
+// [j * blockDim.x + threadIdx.x], bank-conflict free): in global memory
+// (p.norm_dw_slots, a block of them per CTA) or shared memory. Formed at
+// each use rather than kept in a register across the sweep.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ at::opmath_type<scalar_t>* norm_dw_slots(
+    const BackwardParams<scalar_t>& p, unsigned char* dynamic_smem) {
+  using acc_t = at::opmath_type<scalar_t>;
+  return p.norm_dw_slots
+             ? p.norm_dw_slots + static_cast<int64_t>(blockIdx.x) * blockDim.x * VPT * VEC
+             : reinterpret_cast<acc_t*>(dynamic_smem + p.norm_slots_offset);
+}
+
+// This thread's pack k of dh for token t: read (the plain op), or formed
+// again from dy and h (kNorm; norm_r, norm_c: the token's r and <g, n>/D).
+template <bool kNorm, typename scalar_t, int VEC>
+__device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(
+    const BackwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t, int k,
+    at::opmath_type<scalar_t> norm_r, at::opmath_type<scalar_t> norm_c) {
   const int c = (k * pos.G + pos.lane) * VEC;
   if (c >= pos.D) return zero_pack<scalar_t, VEC>();
-  return load_global<scalar_t, VEC>(p.grad_out + t * p.grad_out_stride + c);
+  Pack<scalar_t, VEC> g = load_global<scalar_t, VEC>(p.grad_out + t * p.grad_out_stride + c);
+  if constexpr (kNorm) {
+    const Pack<scalar_t, VEC> h = load_global<scalar_t, VEC>(p.out + t * p.out_stride + c);
+    const auto w = load_global<at::opmath_type<scalar_t>, VEC>(p.norm_weight + c);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) g.x[e] = norm_dh(norm_r, norm_c, w.x[e], g.x[e], h.x[e]);
+  }
+  return g;
 }
 
 // Backward: rows i0 .. i0+SU-1 of token t (zeros past N and past D), from
@@ -793,7 +1024,13 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 // The plain form dp_i - sum_a_dp is used (the CPU pivots when a weight
 // exceeds 1/2; here the pivot cost registers in the widest tiles, §8).
 // z: per-CTA partial rows, summed in a fixed order by a second kernel.
-template <typename scalar_t, int VEC, int VPT>
+// kNorm (the fused output norm): grad_out is dy; the prologue reads dy and
+// h once, forms dh = r (g - c n) in registers (one group reduction for
+// <g, n>) and adds dy n to this thread's weight-gradient accumulators
+// (shared or global memory, not registers: they live across the sweep);
+// the rest is the plain backward from dh. The accumulators become one
+// partial row per CTA (groups in a fixed order), summed like z's.
+template <typename scalar_t, int VEC, int VPT, bool kNorm>
 __global__ void __launch_bounds__(kMaxThreads)
     depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -831,6 +1068,16 @@ __global__ void __launch_bounds__(kMaxThreads)
   Row* stage = reinterpret_cast<Row*>(after_u) +
                static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
   const bool staged = !kSinglePass && p.stage;
+
+  // kNorm with the weight gradient wanted: this thread's accumulators of
+  // sum(dy n) (norm_dw_slots), zeroed here.
+  if constexpr (kNorm) {
+    if (p.norm_dw_partial) {
+      acc_t* slots = norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem);
+#pragma unroll
+      for (int j = 0; j < VPT * VEC; ++j) slots[j * blockDim.x + threadIdx.x] = acc_t(0);
+    }
+  }
 
   acc_t z[VPT][VEC];
 #pragma unroll
@@ -876,9 +1123,59 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
       }
     }
-    // dh is read once into registers (the rare path re-reads it).
     Row dh[VPT];
-    {
+    acc_t sum_a_dp[1] = {acc_t(0)};
+    Row next[SU][VPT];
+    if constexpr (kNorm) {
+      if constexpr (kSinglePass && kPrefetch) {  // in flight meanwhile
+        backward_fetch_rows<kLast, SU>(p, pos, stage, staged, 0, t, next);
+      }
+      // dy and h read once into registers (the rare path re-reads them).
+      const acc_t norm_r = p.norm_rstd[t];
+      const scalar_t* dy_row = p.grad_out + t * p.grad_out_stride;
+      const scalar_t* h_row = p.out + t * p.out_stride;
+      Row hk[VPT];
+      acc_t gn[1] = {acc_t(0)};
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
+          dh[k] = load_global<scalar_t, VEC, LoadHint::kStream>(dy_row + c);
+          hk[k] = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
+          norm_gn_add<scalar_t, VEC>(gn[0], dh[k], hk[k],
+                                     load_global<acc_t, VEC>(p.norm_weight + c), norm_r);
+        } else {
+          dh[k] = zero_pack<scalar_t, VEC>();
+          hk[k] = zero_pack<scalar_t, VEC>();
+        }
+      }
+      group_allreduce<1>(gn, pos.G, red, parity);
+      const acc_t norm_c = gn[0] / static_cast<acc_t>(pos.D);
+      acc_t* const slots =
+          p.norm_dw_partial && active ? norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem) : nullptr;
+      // dh in place of dy; dy n to the accumulators; single pass: this
+      // lane's part of <dh, h>.
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c < pos.D) {
+          const Acc w = load_global<acc_t, VEC>(p.norm_weight + c);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const scalar_t d = norm_dh(norm_r, norm_c, w.x[e], dh[k].x[e], hk[k].x[e]);
+            if (slots) {
+              slots[(k * VEC + e) * blockDim.x + threadIdx.x] +=
+                  static_cast<acc_t>(dh[k].x[e]) * (norm_r * static_cast<acc_t>(hk[k].x[e]));
+            }
+            dh[k].x[e] = d;
+            if constexpr (kSinglePass) {
+              sum_a_dp[0] += static_cast<acc_t>(d) * static_cast<acc_t>(hk[k].x[e]);
+            }
+          }
+        }
+      }
+    } else {
+      // dh is read once into registers (the rare path re-reads it).
       const scalar_t* row = p.grad_out + t * p.grad_out_stride;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
@@ -888,23 +1185,24 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
 
-    acc_t sum_a_dp[1] = {acc_t(0)};
-    Row next[SU][VPT];
     if constexpr (kSinglePass) {
       // sum_j a_j dp_j = <dh, h> + sum_j a_j gw_j: this lane's part of
-      // <dh, h>, and of the weight-gradient sum (sources lane, lane+G, ...).
-      const scalar_t* h_row = p.out + t * p.out_stride;
-      if constexpr (kPrefetch) {  // in flight meanwhile
-        backward_fetch_rows<kLast, SU>(p, pos, stage, staged, 0, t, next);
-      }
+      // <dh, h> (kNorm: formed above), and of the weight-gradient sum
+      // (sources lane, lane+G, ...).
+      if constexpr (!kNorm) {
+        const scalar_t* h_row = p.out + t * p.out_stride;
+        if constexpr (kPrefetch) {  // in flight meanwhile
+          backward_fetch_rows<kLast, SU>(p, pos, stage, staged, 0, t, next);
+        }
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = (k * pos.G + pos.lane) * VEC;
-        if (c < pos.D) {
-          const Row hk = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
+        for (int k = 0; k < VPT; ++k) {
+          const int c = (k * pos.G + pos.lane) * VEC;
+          if (c < pos.D) {
+            const Row hk = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            sum_a_dp[0] += static_cast<acc_t>(dh[k].x[e]) * static_cast<acc_t>(hk.x[e]);
+            for (int e = 0; e < VEC; ++e) {
+              sum_a_dp[0] += static_cast<acc_t>(dh[k].x[e]) * static_cast<acc_t>(hk.x[e]);
+            }
           }
         }
       }
@@ -1016,13 +1314,19 @@ __global__ void __launch_bounds__(kMaxThreads)
     // added to them at the end.
     if constexpr (kHasRarePath) {
       if (__syncthreads_or(rare ? 1 : 0)) {
+        // kNorm: the token's r and c again (dh is formed from them).
+        acc_t norm_r = acc_t(0), norm_c = acc_t(0);
+        if constexpr (kNorm) {
+          norm_r = p.norm_rstd[t];
+          norm_c = norm_token_c<scalar_t, VEC, VPT>(p, pos, t, norm_r, red, parity);
+        }
         double wide_sum[1] = {0.0};  // sum_j a_j dp_j in double
         for (int i = 0; i < pos.N; ++i) {
           double dp = 0.0;
 #pragma unroll 1
           for (int k = 0; k < VPT; ++k) {
             const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
-            const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+            const Row g = rare_fetch_dh<kNorm, scalar_t, VEC>(p, pos, t, k, norm_r, norm_c);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               dp += static_cast<double>(static_cast<acc_t>(g.x[e])) *
@@ -1050,7 +1354,7 @@ __global__ void __launch_bounds__(kMaxThreads)
             const int c = (k * pos.G + pos.lane) * VEC;
             if (c < pos.D) {
               const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
-              const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+              const Row g = rare_fetch_dh<kNorm, scalar_t, VEC>(p, pos, t, k, norm_r, norm_c);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
                 const acc_t x = static_cast<acc_t>(v.x[e]);
@@ -1091,7 +1395,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                 const int c = (k * pos.G + pos.lane) * VEC;
                 if (c >= pos.D) continue;
                 const Row v = rare_fetch<scalar_t, VEC, VPT>(p, pos, i, t, k);
-                const Row g = rare_fetch_dh<scalar_t, VEC>(p, pos, t, k);
+                const Row g = rare_fetch_dh<kNorm, scalar_t, VEC>(p, pos, t, k, norm_r, norm_c);
                 Row o;
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
@@ -1106,6 +1410,27 @@ __global__ void __launch_bounds__(kMaxThreads)
             __syncthreads();
           }
         }
+      }
+    }
+  }
+
+  // kNorm: this CTA's partial row of the weight gradient, the groups'
+  // accumulators summed in group order.
+  if constexpr (kNorm) {
+    if (p.norm_dw_partial) {
+      const acc_t* dw_slots = norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem);
+      __syncthreads();  // every thread's accumulators are in place
+      acc_t* row = p.norm_dw_partial + static_cast<int64_t>(blockIdx.x) * pos.D;
+      const int threads = static_cast<int>(blockDim.x);
+      const int span = pos.G * VEC;  // columns of one pack index k
+      for (int d = static_cast<int>(threadIdx.x); d < pos.D; d += threads) {
+        const int k = d / span;
+        const int lane = (d - k * span) / VEC;
+        const int e = d - k * span - lane * VEC;
+        const acc_t* slot = dw_slots + (k * VEC + e) * threads + lane;
+        acc_t sum = slot[0];
+        for (int g = 1; g < p.tokens_per_cta; ++g) sum += slot[g * pos.G];
+        row[d] = sum;
       }
     }
   }

@@ -51,6 +51,13 @@ struct ForwardParams {
   int group;  // G
   int tokens_per_cta;
   acc_t eps;
+  // The fused output norm (depth_attention_normed_fwd); norm_weight null:
+  // the plain op (out gets h). Otherwise out gets (h r) * norm_weight with
+  // r = 1/sqrt(mean(h^2) + norm_eps) from the accumulation-dtype h.
+  const acc_t* norm_weight;  // [D]
+  acc_t* norm_rstd;          // [T]: r per token
+  scalar_t* norm_h;          // [T, D] contiguous: h itself, or null (not kept)
+  acc_t norm_eps;
 };
 
 template <typename scalar_t>
@@ -78,6 +85,22 @@ struct BackwardParams {
   int tokens_per_cta;
   bool stage;  // two-pass only: keep the token's rows in shared memory
                // between the passes
+  // The fused output norm (depth_attention_normed_bwd); norm_weight null:
+  // the plain op. Otherwise grad_out is dy (the gradient of (h r) * w), out
+  // is the saved h (read by both the single- and the two-pass backward) and
+  // dh is formed per token in registers.
+  const acc_t* norm_weight;  // [D]
+  const acc_t* norm_rstd;    // [T]
+  // [gridDim.x, D]: one row of sum(dy * r h) per CTA (the weight gradient's
+  // partials, summed like z's); null when that gradient is not wanted.
+  acc_t* norm_dw_partial;
+  // The per-thread accumulators of that sum (blockDim.x * VPT * VEC per
+  // CTA, element j of thread x at [j * blockDim.x + x]): in global memory
+  // here ([gridDim.x, ...]) when they do not fit in shared memory, else
+  // null and they sit at norm_slots_offset bytes into the dynamic shared
+  // memory.
+  acc_t* norm_dw_slots;
+  int64_t norm_slots_offset;
 };
 
 // The backward's dynamic shared memory starts with a copy of u ([D] in
@@ -181,7 +204,7 @@ void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z
 
 // Resident CTAs per SM of the backward kernel for a tile (sizes its grid).
 template <typename scalar_t>
-int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes);
+int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed);
 
 }  // namespace cuda
 }  // namespace attnres

@@ -122,12 +122,33 @@ struct BackwardPlan {
   TileConfig tile;
   bool stage = false;
   size_t smem_bytes = 0;
+  // The fused output norm's weight-gradient accumulators (one per element a
+  // thread owns: CTA threads * VPT * VEC), when wanted: at
+  // norm_slots_offset bytes into the dynamic shared memory, or (-1) in
+  // global memory when they do not fit beside the rest.
+  int64_t norm_slots_per_cta = 0;
+  int64_t norm_slots_offset = -1;
 };
 
 inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
                                   int natural, size_t acc_size,
-                                  int64_t smem_optin_bytes, bool single_pass) {
+                                  int64_t smem_optin_bytes, bool single_pass,
+                                  bool norm_slots = false) {
   BackwardPlan plan;
+  // The output norm's accumulators go to shared memory when they fit with u
+  // and the z sum (then staging gets what is left); else to global memory
+  // (large D on GPUs with 99 KiB of opt-in shared memory).
+  const auto slot_bytes = [&](int tokens) {
+    return norm_slots ? int64_t(tile.group) * tokens * tile.vpt * tile.vec *
+                            static_cast<int64_t>(acc_size)
+                      : int64_t(0);
+  };
+  const int64_t u_bytes = u_smem_bytes(D, static_cast<int64_t>(acc_size));
+  const int64_t z_sum_bytes =
+      tile.tokens_per_cta > 1 ? D * static_cast<int64_t>(acc_size) : int64_t(0);
+  const bool slots_in_smem =
+      norm_slots && u_bytes + (z_sum_bytes + 15) / 16 * 16 + slot_bytes(tile.tokens_per_cta) +
+                            4096 <= smem_optin_bytes;
   // Staging copies 16-byte packs with cp.async; sub-warp groups must fill
   // whole warps. The single-pass backward reads each row once: nothing to
   // stage.
@@ -135,8 +156,8 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
     const int64_t per_token = N * tile.vpt * tile.group * 16;
     const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
     const int64_t budget = std::min<int64_t>(
-        kStageBytesPerCta,
-        smem_optin_bytes - 4096 - u_smem_bytes(D, static_cast<int64_t>(acc_size)));
+        kStageBytesPerCta, smem_optin_bytes - 4096 - u_bytes -
+                               (slots_in_smem ? slot_bytes(tile.tokens_per_cta) : 0));
     int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
     tokens -= tokens % min_tokens;
     if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
@@ -150,7 +171,15 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
     plan.smem_bytes = std::max(plan.smem_bytes, static_cast<size_t>(D) * acc_size);
   }
   // u comes first (u_smem_bytes).
-  plan.smem_bytes += static_cast<size_t>(u_smem_bytes(D, static_cast<int64_t>(acc_size)));
+  plan.smem_bytes += static_cast<size_t>(u_bytes);
+  if (norm_slots) {
+    plan.norm_slots_per_cta = slot_bytes(tile.tokens_per_cta) / static_cast<int64_t>(acc_size);
+    if (slots_in_smem) {
+      plan.norm_slots_offset = static_cast<int64_t>((plan.smem_bytes + 15) / 16 * 16);
+      plan.smem_bytes = static_cast<size_t>(plan.norm_slots_offset +
+                                            slot_bytes(tile.tokens_per_cta));
+    }
+  }
   // Every sm_80+ GPU has at least 99 KiB of opt-in shared memory, enough for
   // any D the kernels take; older GPUs (built with an older
   // TORCH_CUDA_ARCH_LIST) may not: say so instead of failing the launch.

@@ -90,6 +90,22 @@ struct Case {
   // h with rows D + h_extra_stride apart (padding NaN: a kernel that used D
   // instead of the row stride would read it).
   int h_extra_stride = 0;
+  // The fused output norm (depth_attention_normed): out gets RMSNorm(h) * w,
+  // the backward starts from dy. keep_h: the forward writes h too (else it
+  // is written by a second forward, for the backward, after checking that
+  // the first wrote none); want_dw: the norm weight's gradient is wanted.
+  bool norm = false;
+  bool keep_h = true;
+  bool want_dw = true;
+  double out_eps = 1e-5;
+  // The device's opt-in shared memory per block (H100/H200); 99 KiB
+  // (sm_86/sm_89) sends the norm's accumulators of wide rows to global
+  // memory.
+  int64_t smem_optin = 227 * 1024;
+  // Whether the backward's results are checked (they are always computed):
+  // not for fp64 rows whose normed gradients leave fp64's range in alpha or
+  // beta (float64 has no wider type on the device, docs/design.md §8).
+  bool check_backward = true;
 };
 
 // Relative error of the norms, both divided by max|want| first (values
@@ -167,56 +183,103 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   // stay in host memory, which the emulated kernels read directly.
   const SourceTableLayout layout = layout_sources(entries, T, natural, sizeof(scalar_t));
 
-  // Forward.
+  // The output norm's weight (accumulation dtype, as the op passes it).
+  std::vector<acc_t> w_out(c.norm ? D : 0);
+  for (auto& x : w_out) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
+
+  // Forward. With the norm, out is y and h goes to h_kept (NaN until
+  // written).
   std::vector<scalar_t> out(T * D);
   std::vector<acc_t> rstd(N * T), weights(N * T);
-  const auto fwd = forward_launch<scalar_t>(layout, layout.overflow.data(), u.data(), out.data(),
-                                            rstd.data(), weights.data(), T, N, D,
-                                            static_cast<acc_t>(eps), c.grid_cap);
+  std::vector<scalar_t> h_kept(c.norm ? T * D : 0, static_cast<scalar_t>(NAN));
+  std::vector<acc_t> out_rstd(c.norm ? T : 0, static_cast<acc_t>(NAN));
+  auto fwd = forward_launch<scalar_t>(layout, layout.overflow.data(), u.data(), out.data(),
+                                      rstd.data(), weights.data(), T, N, D,
+                                      static_cast<acc_t>(eps), c.grid_cap);
+  if (c.norm) {
+    set_forward_norm<scalar_t>(fwd.params, w_out.data(), out_rstd.data(),
+                               c.keep_h ? h_kept.data() : nullptr, static_cast<acc_t>(c.out_eps));
+  }
   const TileConfig& ftile = fwd.config.tile;
   const auto fgrid = static_cast<unsigned>(fwd.config.grid);
-  with_tile<scalar_t>(ftile.vec, ftile.vpt, [&](auto vec, auto vpt) {
-    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-    emu::launch(fgrid, ftile.group * ftile.tokens_per_cta, fwd.config.smem_bytes,
-                [&] { depth_attention_fwd_kernel<scalar_t, VEC, VPT>(fwd.params); });
-  });
+  auto run_forward = [&] {
+    with_tile<scalar_t>(ftile.vec, ftile.vpt, [&](auto vec, auto vpt) {
+      constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+      emu::launch(fgrid, ftile.group * ftile.tokens_per_cta, fwd.config.smem_bytes, [&] {
+        if (c.norm) {
+          depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>(fwd.params);
+        } else {
+          depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>(fwd.params);
+        }
+      });
+    });
+  };
+  run_forward();
+  bool h_written_unkept = false;
+  if (c.norm && !c.keep_h) {
+    for (const auto& x : h_kept) h_written_unkept = h_written_unkept || !std::isnan(double(x));
+    fwd.params.norm_h = h_kept.data();  // the backward's h
+    run_forward();
+  }
 
-  // Backward, from the forward's h (single pass: float32/float64) and
-  // statistics (an H100/H200's opt-in shared memory per block).
+  // Backward, from the forward's h (single pass: float32/float64; the
+  // norm: every dtype) and statistics.
+  const std::vector<scalar_t>& h_saved = c.norm ? h_kept : out;
   const int64_t h_stride = D + c.h_extra_stride;
   std::vector<scalar_t> h_copy;
-  const scalar_t* h = out.data();
+  const scalar_t* h = h_saved.data();
   if (c.misaligned_h || c.h_extra_stride != 0) {
     const int64_t first = c.misaligned_h ? 1 : 0;
     h_copy.assign(first + T * h_stride, static_cast<scalar_t>(NAN));
     for (int64_t t = 0; t < T; ++t) {
-      std::copy_n(out.begin() + t * D, D, h_copy.begin() + first + t * h_stride);
+      std::copy_n(h_saved.begin() + t * D, D, h_copy.begin() + first + t * h_stride);
     }
     h = h_copy.data() + first;
   }
-  const BackwardPlan plan =
-      backward_plan<scalar_t>(layout, dh.data(), D, h, h_stride, T, N, D, 227 * 1024);
+  const bool want_dw = c.norm && c.want_dw;
+  const BackwardPlan plan = backward_plan<scalar_t>(layout, dh.data(), D, h, h_stride, T, N, D,
+                                                    c.smem_optin, c.norm, want_dw);
   auto bwd = backward_launch<scalar_t>(plan, layout, layout.overflow.data(), u.data(), dh.data(),
                                        D, h, h_stride, rstd.data(), weights.data(),
-                                       c.weight_grads ? grad_w.data() : nullptr, T, N, D, c.grid_cap);
+                                       c.weight_grads ? grad_w.data() : nullptr, T, N, D, c.grid_cap,
+                                       c.norm);
   const TileConfig& btile = bwd.config.tile;
   const int64_t bgrid = bwd.config.grid;
   std::vector<acc_t> partial(bgrid * D, static_cast<acc_t>(NAN));
   bwd.params.z_partial = c.partial ? nullptr : partial.data();
+  std::vector<acc_t> dw_partial(want_dw ? bgrid * D : 0, static_cast<acc_t>(NAN));
+  std::vector<acc_t> dw_slots(want_dw && plan.norm_slots_offset < 0 ? bgrid * plan.norm_slots_per_cta : 0,
+                              static_cast<acc_t>(NAN));
+  if (c.norm) {
+    set_backward_norm<scalar_t>(bwd.params, w_out.data(), out_rstd.data(),
+                                want_dw ? dw_partial.data() : nullptr,
+                                dw_slots.empty() ? nullptr : dw_slots.data());
+  }
   with_tile<scalar_t>(btile.vec, btile.vpt, [&](auto vec, auto vpt) {
     constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
     emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
-                bwd.config.smem_bytes, [&] { depth_attention_bwd_kernel<scalar_t, VEC, VPT>(bwd.params); });
+                bwd.config.smem_bytes, [&] {
+                  if (c.norm) {
+                    depth_attention_bwd_kernel<scalar_t, VEC, VPT, true>(bwd.params);
+                  } else {
+                    depth_attention_bwd_kernel<scalar_t, VEC, VPT, false>(bwd.params);
+                  }
+                });
   });
-  std::vector<acc_t> z_acc(D, static_cast<acc_t>(NAN));
-  if (!c.partial) {
+  auto sum_rows = [&](std::vector<acc_t>& rows) {
+    std::vector<acc_t> sum(D, static_cast<acc_t>(NAN));
     emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
-                [&] { sum_partial_rows_kernel<acc_t>(partial.data(), bgrid, D, z_acc.data()); });
-  }
-  std::vector<double> z(z_acc.begin(), z_acc.end());
+                [&] { sum_partial_rows_kernel<acc_t>(rows.data(), bgrid, D, sum.data()); });
+    return std::vector<double>(sum.begin(), sum.end());
+  };
+  std::vector<double> z(D, NAN), dw;
+  if (!c.partial) z = sum_rows(partial);
+  if (want_dw) dw = sum_rows(dw_partial);
 
-  // Float64 evaluation of docs/design.md §1-§2, token by token.
+  // Float64 evaluation of docs/design.md §1-§2 (and §11's output norm),
+  // token by token.
   std::vector<double> ref_out(T * D), ref_rstd(N * T), ref_w(N * T), ref_z(D, 0.0);
+  std::vector<double> ref_h(T * D), ref_out_rstd(T), ref_dw(D, 0.0);
   std::vector<std::vector<double>> ref_grads(N, std::vector<double>(T * D));
   // In long double (x87: exponent range to 1e4932), so float64 rows near
   // 1e308 do not overflow the reference either.
@@ -226,37 +289,59 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     auto v = [&](int i, int d) { return R(double(src[i][offset + t * stride + d])); };
     R m = -INFINITY;
     for (int i = 0; i < N; ++i) {
-      R ss = 0, uv = 0, dv = 0;
+      R ss = 0, uv = 0;
       for (int d = 0; d < D; ++d) {
         ss += v(i, d) * v(i, d);
         uv += R(u[d]) * v(i, d);
-        dv += R(double(dh[t * D + d])) * v(i, d);
       }
       r[i] = 1 / std::sqrt(ss / D + R(eps));
       s[i] = r[i] * uv;
-      dp[i] = dv + (c.weight_grads ? R(grad_w[i * T + t]) : R(0));
       m = std::isnan(s[i]) || std::isnan(m) ? R(NAN) : std::max(m, s[i]);
     }
     R l = 0;
     for (int i = 0; i < N; ++i) l += std::exp(s[i] - m);
-    R sum_a_dp = 0;
     for (int i = 0; i < N; ++i) {
       a[i] = std::exp(s[i] - m) / l;
-      sum_a_dp += a[i] * dp[i];
       ref_rstd[i * T + t] = double(r[i]);
       ref_w[i * T + t] = double(a[i]);
     }
+    std::vector<R> hv(D), dhv(D);
     for (int d = 0; d < D; ++d) {
       R h = 0;
       for (int i = 0; i < N; ++i) h += a[i] * v(i, d);
+      hv[d] = h;
       ref_out[t * D + d] = double(h);
+      dhv[d] = R(double(dh[t * D + d]));
+    }
+    if (c.norm) {
+      // y = (h r_o) w; from dy: n = r_o h, g = dy w, dh = r_o (g - <g, n>/D n).
+      R sumsq = 0, gn = 0;
+      for (int d = 0; d < D; ++d) sumsq += hv[d] * hv[d];
+      const R ro = 1 / std::sqrt(sumsq / D + R(c.out_eps));
+      ref_out_rstd[t] = double(ro);
+      for (int d = 0; d < D; ++d) {
+        ref_h[t * D + d] = double(hv[d]);
+        ref_out[t * D + d] = double(hv[d] * ro * R(w_out[d]));
+        gn += dhv[d] * R(w_out[d]) * (ro * hv[d]);
+      }
+      for (int d = 0; d < D; ++d) {
+        const R n = ro * hv[d];
+        ref_dw[d] += double(dhv[d] * n);
+        dhv[d] = ro * (dhv[d] * R(w_out[d]) - gn / D * n);
+      }
+    }
+    R sum_a_dp = 0;
+    for (int i = 0; i < N; ++i) {
+      R dv = 0;
+      for (int d = 0; d < D; ++d) dv += dhv[d] * v(i, d);
+      dp[i] = dv + (c.weight_grads ? R(grad_w[i * T + t]) : R(0));
+      sum_a_dp += a[i] * dp[i];
     }
     for (int i = 0; i < N; ++i) {
       const R alpha = a[i] * (dp[i] - sum_a_dp) * r[i];
       const R beta = -alpha * r[i] * s[i] / D;
       for (int d = 0; d < D; ++d) {
-        ref_grads[i][t * D + d] =
-            double(a[i] * R(double(dh[t * D + d])) + alpha * R(u[d]) + beta * v(i, d));
+        ref_grads[i][t * D + d] = double(a[i] * dhv[d] + alpha * R(u[d]) + beta * v(i, d));
         ref_z[d] += double(alpha * v(i, d));
       }
     }
@@ -278,6 +363,12 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       {"rstd", rel_err(as_double(rstd), ref_rstd), tol.stats},
       {"weights", rel_err(as_double(weights), ref_w), tol.stats},
   };
+  if (c.norm) {
+    checks.push_back({"h", rel_err(as_double(h_kept), ref_h), tol.output});
+    checks.push_back({"out_rstd", rel_err(as_double(out_rstd), ref_out_rstd), tol.stats});
+    if (!c.keep_h) checks.push_back({"h_written_unkept", h_written_unkept ? 1.0 : 0.0, 0.0});
+    if (want_dw && c.check_backward) checks.push_back({"dw", rel_err(dw, ref_dw), tol.grad});
+  }
   // z (the query/gain gradients' sum over tokens) is not checked when its
   // true value comes near the accumulation dtype's maximum: its per-token
   // terms can exceed it then (docs/design.md §8's limit).
@@ -285,13 +376,15 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   const double src_max = static_cast<double>(std::numeric_limits<scalar_t>::max());
   bool z_near_max = false;
   for (double x : ref_z) z_near_max = z_near_max || !(std::fabs(x) <= acc_max / 8);
-  if (!c.partial && !z_near_max) checks.push_back({"z", rel_err(z, ref_z), tol.grad});
+  if (!c.partial && !z_near_max && c.check_backward) {
+    checks.push_back({"z", rel_err(z, ref_z), tol.grad});
+  }
   double worst_grad = 0;
   for (int i = c.partial ? 1 : 0; i < N; ++i) {
     worst_grad = std::max(worst_grad,
                           rel_err_representable(as_double(grads[i]), ref_grads[i], src_max));
   }
-  checks.push_back({"grads", worst_grad, tol.grad});
+  if (c.check_backward) checks.push_back({"grads", worst_grad, tol.grad});
   if (c.partial) {
     // The unwanted gradient buffer must be untouched (still all NaN).
     bool untouched = true;
@@ -299,14 +392,14 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
   }
 
-  if (c.h_extra_stride != 0 && backward_single_pass<scalar_t>()) {
+  if (c.h_extra_stride != 0 && (backward_single_pass<scalar_t>() || c.norm)) {
     // A row stride of h that is not a multiple of the pack refuses the
     // 16-byte path; one that is keeps it (D permitting).
     const bool pack_stride = (D + c.h_extra_stride) % natural_vec<scalar_t>() == 0;
     const bool want_vec = pack_stride && D % natural_vec<scalar_t>() == 0;
     checks.push_back({"padded_h_path", (btile.vec != 1) == want_vec ? 0.0 : 1.0, 0.0});
   }
-  if (c.misaligned_h && backward_single_pass<scalar_t>()) {
+  if (c.misaligned_h && (backward_single_pass<scalar_t>() || c.norm)) {
     // 16-byte loads of h would be misaligned: the plan must refuse them.
     checks.push_back({"misaligned_h_on_16B_path", btile.vec == 1 ? 0.0 : 1.0, 0.0});
   }
@@ -324,6 +417,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks = {{"out_nan", all_nan(out) ? 0.0 : 1.0, 0.0},
               {"weights_nan", all_nan(weights) ? 0.0 : 1.0, 0.0},
               {"grads_nan", grads_nan ? 0.0 : 1.0, 0.0}};
+    if (c.norm && want_dw) checks.push_back({"dw_nan", all_nan(dw) ? 0.0 : 1.0, 0.0});
   }
   bool ok = true;
   std::string detail;
@@ -346,6 +440,13 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
   if (c.h_extra_stride != 0) range += " h_stride=" + std::to_string(D + c.h_extra_stride);
+  if (c.norm) {
+    range += std::string(" +norm[") + (c.keep_h ? "keep_h" : "no_h") + (want_dw ? " dw" : "") +
+             (want_dw ? (plan.norm_slots_offset >= 0 ? " slots=smem" : " slots=global") : "") +
+             (c.out_eps != 1e-5 ? " out_eps=" + std::to_string(c.out_eps) : std::string()) + "]";
+  }
+  if (c.smem_optin != 227 * 1024) range += " optin=" + std::to_string(c.smem_optin);
+  if (!c.check_backward) range += " (backward unchecked)";
   std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
               "bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
@@ -478,6 +579,78 @@ int main(int argc, char** argv) {
                         range_case(9, 20, 1024, {3e38, 1e-30, 1.0}, 1e-6, false, 3, 1e-20)});
   run(c10::Half{}, {range_case(4, 10, 64, {6e4, 1e-4}),
                     range_case(1, 4, 64, {}, 1e-6, true)});
+  // The fused output norm (depth_attention_normed): every path above with
+  // the epilogue's norm and the prologue's dh, h kept or not, the weight
+  // gradient wanted or not (its accumulators in shared memory, or in
+  // global memory when a 99 KiB device has no room), odd D, N = 1 .. 70.
+  auto normed = [](Case c, bool keep_h = true, bool want_dw = true, double out_eps = 1e-5,
+                   int64_t smem_optin = 227 * 1024) {
+    c.norm = true;
+    c.keep_h = keep_h;
+    c.want_dw = want_dw;
+    c.out_eps = out_eps;
+    c.smem_optin = smem_optin;
+    return c;
+  };
+  constexpr int64_t k99KiB = 99 * 1024;
+  auto forward_only = [](Case c) {
+    c.check_backward = false;
+    return c;
+  };
+  run(double{}, {normed({3, 5, 5, 0, false, 2}),            // scalar path, sub-warp groups
+                 normed({3, 5, 8, 0, false, 2}, false),     // h not kept
+                 normed({5, 9, 8, 0, false, 2, true, true}, true, false),  // no dw, partial
+                 normed({1, 4, 999, 0, false, 2}),          // N = 1, odd D
+                 normed({2, 2, 1030, 0, false, 2}),         // block mode
+                 normed({70, 3, 16, 0, false, 2}),          // source table overflow
+                 normed(misaligned_h({3, 5, 8, 0, false, 2})),
+                 normed({2, 3, 8192, 0, false, 1}, true, true, 1e-5, k99KiB),
+                 normed(range_case(3, 5, 8, {1e150, 3e149})),
+                 // sum(h^2) overflows / underflows: the forward's rescue of
+                 // the norm; their gradients need r^2 (r_o r^2) beyond fp64.
+                 forward_only(normed(range_case(3, 5, 8, {1e200, 1.0, 1e-150}))),
+                 forward_only(normed(range_case(2, 3, 70, {1e-300}, 0.0), true, true, 0.0)),
+                 normed(range_case(1, 3, 8, {}, 1e-6, true))});
+  run(float{}, {normed({1, 4, 3, 0, false, 4}),
+                normed({7, 9, 64, 0, false, 2}, false),
+                normed({2, 400, 64, 0, false, 20}),       // 20 partial rows to sum
+                normed({5, 6, 1000, 0, false, 2}, true, false),
+                normed({3, 4, 2052, 0, false, 2, true, true}),  // block mode, partial
+                normed({65, 3, 1000, 0, false, 2}),
+                normed({3, 5, 7186, 0, false, 2}),        // scalar path, block mode
+                normed({2, 3, 16384, 0, false, 2}),       // the widest rows, slots in smem
+                normed({2, 3, 16384, 0, false, 2}, true, true, 1e-5, k99KiB),  // in global
+                normed({70, 5, 16, 0, false, 2, true, false}),
+                normed(misaligned_h({7, 9, 64, 0, false, 2})),
+                normed(padded_h({5, 6, 1000, 0, false, 2}, 3)),
+                // Range: sum(h^2) overflows (rows near the maximum) or
+                // underflows (eps = out_eps = 0) in one token, rows of one
+                // scale (rows of very different scales in one token: the
+                // normed backward is as accurate as the composition, see
+                // docs/design.md §7).
+                normed(range_case(3, 5, 64, {3e38, 2e38})),
+                normed(range_case(3, 5, 64, {3e38, 1e38}, 1e-6, false, 1)),
+                normed(range_case(3, 9, 64, {1e-30}, 0.0), true, true, 0.0),
+                normed(range_case(3, 4, 1000, {1e38, 3e37})),
+                normed(range_case(2, 4, 2052, {3e38, 1e38}), false),
+                normed(range_case(3, 3, 2052, {}, 1e-6, true))});
+  run(c10::BFloat16{}, {normed({9, 20, 1000, 0, false, 2}),  // staged
+                        normed({9, 20, 1024, 0, false, 3, true, true}, false),
+                        normed({65, 3, 1000, 0, false, 2}, true, false),  // not staged
+                        normed({3, 5, 7186, 0, false, 2}),  // scalar path, block mode
+                        normed({1, 7, 2048, 0, false, 2}),
+                        normed(misaligned_h({9, 20, 1000, 0, false, 2})),
+                        normed(padded_h({17, 7, 2048, 0, false, 2}, 8)),
+                        normed(range_case(9, 20, 1024, {3e38, 1e38}, 1e-6, false, 3)),
+                        normed(range_case(3, 5, 64, {1e-30}, 0.0), true, true, 0.0),
+                        normed(range_case(3, 5, 7186, {1e38})),
+                        normed(range_case(1, 4, 64, {}, 1e-6, true))});
+  run(c10::Half{}, {normed({17, 6, 64, 0, false, 1}),
+                    normed({4, 300, 24, 0, false, 2}, false, false),
+                    normed({2, 3, 16384, 0, false, 2}, true, true, 1e-5, k99KiB),
+                    normed({3, 4, 1000, 1, false, 2}),      // odd row stride: scalar path
+                    normed(range_case(4, 10, 64, {6e4, 2e4})),
+                    normed(range_case(4, 10, 64, {1e-4}))});
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }

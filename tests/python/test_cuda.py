@@ -9,6 +9,7 @@ from attnres import reference
 from helpers import (
     backward_op,
     CUDA_SKIP_REASON,
+    GRAD_REL_TOL,
     REL_TOL,
     STAT_REL_TOL,
     assert_rel_close,
@@ -320,3 +321,124 @@ def test_empty_token_dimension():
     assert h.shape == (0, 3, 32)
     h.sum().backward()
     assert torch.equal(query.grad, torch.zeros_like(query))
+
+
+# ---- the fused output norm (depth_attention_normed_fwd/bwd) --------------------------
+# Through the ops themselves (the autograd and the functional are tested with
+# the CPU ones); the reference composes the float64 depth attention with a
+# float64 RMSNorm, differentiated by autograd.
+
+
+def normed_reference(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps):
+    """float64: y = RMSNorm(h) * out_weight, h the eager reference read, and
+    the gradients of <y, grad_out> (sources, query, gain, out_weight)."""
+    xs = [s.detach().double().requires_grad_(True) for s in sources]
+    q = query.detach().double().requires_grad_(True)
+    g = norm_weight.detach().double().requires_grad_(True)
+    w = out_weight.detach().double().requires_grad_(True)
+    h = reference.depth_attention(xs, q, g, eps=eps, scale=scale)
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + out_eps)
+    y = h * r * w
+    grads = torch.autograd.grad(y, xs + [q, g, w], grad_out.double())
+    return y.detach(), h.detach(), r.squeeze(-1).detach(), grads
+
+
+def normed_ops(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps,
+               keep_h=True, want_out_weight=True):
+    y, h, rstd, weights, out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
+        sources, query, norm_weight, out_weight, eps, scale, out_eps, keep_h)
+    if not keep_h:
+        assert h.numel() == 0
+        _, h, _, _, _ = torch.ops.attnres.depth_attention_normed_fwd(
+            sources, query, norm_weight, out_weight, eps, scale, out_eps, True)
+    mask = [True] * (len(sources) + 2) + [want_out_weight]
+    gs, gq, gg, gw = torch.ops.attnres.depth_attention_normed_bwd(
+        grad_out, None, sources, query, norm_weight, out_weight, h, rstd, weights, out_rstd,
+        scale, mask)
+    return y, h, out_rstd, (gs, gq, gg, gw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [3, 64, 1000, 7186, 16384])
+@pytest.mark.parametrize("N", [1, 3, 17, 65])
+def test_normed_matches_reference(N, D, dtype):
+    lead = (2, 3) if D <= 1000 else (3,)
+    sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype, seed=N * 104729 + D)
+    g = torch.Generator(device="cpu").manual_seed(D)
+    out_weight = (1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)).to(param_dtype(dtype)).cuda()
+    kw = dict(eps=1e-6, scale=0.8, out_eps=1e-5)
+    y, h, out_rstd, (gs, gq, gg, gw) = normed_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
+    ry, rh, rr, rgrads = normed_reference(sources, query, norm_weight, out_weight, grad_out, **kw)
+    assert y.dtype == dtype and y.shape == sources[0].shape and h.shape == sources[0].shape
+    assert_close_rel(y, ry, dtype, "y")
+    assert_close_rel(h, rh, dtype, "h")
+    assert_rel_close(out_rstd, rr, STAT_REL_TOL[dtype], "out_rstd")
+    for i, (a, b) in enumerate(zip(gs, rgrads[:N])):
+        assert_rel_close(a, b, GRAD_REL_TOL[dtype], f"grad of sources[{i}]")
+    assert_rel_close(gq, rgrads[N], GRAD_REL_TOL[dtype], "grad_query")
+    assert_rel_close(gg, rgrads[N + 1], GRAD_REL_TOL[dtype], "grad_norm_weight")
+    assert gw.dtype == out_weight.dtype
+    assert_rel_close(gw, rgrads[N + 2], GRAD_REL_TOL[dtype], "grad_out_weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_normed_keep_h_and_unwanted_weight_gradient(dtype):
+    """keep_h=False returns an empty h and the same y; a weight gradient not
+    asked for is undefined and changes nothing else (the source gradients
+    bitwise; the query gradient up to its summation order, as the plan may
+    then give the CTAs more tokens)."""
+    sources, query, norm_weight, grad_out = make_problem(9, (33,), 1000, dtype)
+    out_weight = torch.linspace(0.5, 1.5, 1000, device="cuda", dtype=param_dtype(dtype))
+    kw = dict(eps=1e-6, scale=1.0, out_eps=1e-5)
+    y1, _, r1, (gs1, gq1, gg1, gw1) = normed_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
+    y2, _, r2, (gs2, gq2, gg2, gw2) = normed_ops(sources, query, norm_weight, out_weight, grad_out,
+                                                  keep_h=False, want_out_weight=False, **kw)
+    assert torch.equal(y1, y2) and torch.equal(r1, r2)
+    assert gw1 is not None and gw2 is None
+    assert all(torch.equal(a, b) for a, b in zip(gs1, gs2))
+    assert_rel_close(gq2, gq1, 1e-6, "query gradient without the weight gradient")
+
+
+@pytest.mark.parametrize("N,lead,D,dtype", [
+    (9, (4096,), 1000, torch.bfloat16),   # staged two-pass
+    (65, (512,), 7186, torch.bfloat16),   # block per token, scalar path
+    (4, (16384,), 1024, torch.float32),   # single pass, a grid of several waves
+    (3, (64,), 16384, torch.float32),     # widest rows
+])
+def test_normed_backward_is_bitwise_deterministic(N, lead, D, dtype):
+    sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
+    out_weight = torch.linspace(0.5, 1.5, D, device="cuda", dtype=param_dtype(dtype))
+    runs = [normed_ops(sources, query, norm_weight, out_weight, grad_out, eps=1e-6, scale=1.0,
+                       out_eps=1e-5)[3] for _ in range(2)]
+    (gs1, gq1, gg1, gw1), (gs2, gq2, gg2, gw2) = runs
+    assert torch.equal(gq1, gq2) and torch.equal(gw1, gw2)
+    assert all(torch.equal(a, b) for a, b in zip(gs1, gs2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_normed_misaligned_out_weight_and_h(dtype):
+    """An out_weight view at an odd offset (copied to 16-byte alignment by
+    the host code) and a misaligned h (scalar path) give the same results
+    within the tolerance."""
+    D = 1024
+    sources, query, norm_weight, grad_out = make_problem(5, (33,), D, dtype)
+    pd = param_dtype(dtype)
+    w = torch.linspace(0.5, 1.5, D, device="cuda", dtype=pd)
+    buf = torch.empty(D + 1, device="cuda", dtype=pd)
+    w_odd = buf[1:]
+    w_odd.copy_(w)
+    kw = dict(eps=1e-6, scale=1.0, out_eps=1e-5)
+    y, h, out_rstd, base = normed_ops(sources, query, norm_weight, w, grad_out, **kw)
+    y2, _, _, _ = normed_ops(sources, query, norm_weight, w_odd, grad_out, **kw)
+    assert torch.equal(y, y2)
+    _, rstd, weights, _, _ = torch.ops.attnres.depth_attention_normed_fwd(
+        sources, query, norm_weight, w, 1e-6, 1.0, 1e-5, True)
+    hbuf = torch.empty(h.numel() + 1, dtype=dtype, device="cuda")
+    h_odd = hbuf[1:].view_as(h)
+    h_odd.copy_(h)
+    got = torch.ops.attnres.depth_attention_normed_bwd(
+        grad_out, None, sources, query, norm_weight, w, h_odd, rstd, weights, out_rstd, 1.0,
+        [True] * (len(sources) + 3))
+    for a, b in zip(got[0], base[0]):
+        assert_rel_close(a, b, REL_TOL[dtype], "source gradient with a misaligned h")
+    assert_rel_close(got[3], base[3], REL_TOL[dtype], "out_weight gradient with a misaligned h")
