@@ -8,7 +8,7 @@
 #   2. peers' warm-up in the background on the idle GPU while 3 builds
 #      (Triton compiles + FLA's autotuning, cached on disk by Triton);
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
-#      kernels; a short CUDA-vs-CPU smoke check;
+#      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile);
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
@@ -153,6 +153,19 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         ok = max(errs) <= tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"max rel err {max(errs):.2g}")
+        # The fused output norm (depth_attention_normed_*): y, h, out_rstd and
+        # every gradient (out_weight's too), CUDA vs CPU, gradient tolerance.
+        ow = (1 + 0.2 * torch.randn(d, generator=g)).to(pd)
+        outs = []
+        for dev in ("cpu", "cuda"):
+            s_, q_, w_, ow_ = [s.to(dev) for s in src], q.to(dev), w.to(dev), ow.to(dev)
+            y, h, r, a, ro = torch.ops.attnres.depth_attention_normed_fwd(s_, q_, w_, ow_, 1e-6, 0.8, 1e-5, True)
+            b = torch.ops.attnres.depth_attention_normed_bwd(dh.to(dev), None, s_, q_, w_, ow_, h, r, a, ro, 0.8, [True] * (n + 3))
+            outs.append([y, h, ro, *b[0], b[1], b[2], b[3]])
+        errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
+        ok = max(errs) <= 2 * tol
+        bad += not ok
+        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"normed: max rel err {max(errs):.2g}")
 print(f"smoke check: {bad} failure(s)")
 PY
   echo "smoke rc=$?"
@@ -290,6 +303,14 @@ for dtype, n, t, d, layout in cases:
         h, wt = attnres.depth_attention(srcs, q, w, return_weights=True)
         wanted = [srcs[-1], q] if partial else [*srcs, q, w]
         torch.autograd.grad((h.float().sum(), wt.sum()), wanted, allow_unused=True)
+    # The fused output norm, through the ops (h kept or not; the norm
+    # weight's gradient wanted or not).
+    ow = (1 + 0.1 * torch.randn(d, generator=g)).to(pd).to(dev)
+    x = [s.detach() for s in srcs]
+    y, hk, r, a, ro = torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, True)
+    torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, False)
+    for want_ow in (True, False):
+        torch.ops.attnres.depth_attention_normed_bwd(y, None, x, q.detach(), w.detach(), ow, hk, r, a, ro, 1.0, [True] * (n + 2) + [want_ow])
     torch.cuda.synchronize()
     print("ran", dtype, n, t, d, layout, flush=True)
 print("sanitize shapes: done")
