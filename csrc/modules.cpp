@@ -7,6 +7,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -137,7 +138,13 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   state.last_reader = self;
   state.last_completed = num_completed;
   state.last_pos = pos;
-  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
+  // A reader with an output norm reads one-call (the norm fused into it)
+  // unless two-phase reads are forced: the merge ops do not fuse the norm
+  // yet (docs/design.md §11).
+  if (!block_size_ || !two_phase(num_completed) ||
+      (reader.out_weight.defined() && block_reads_ != BlockReads::kTwoPhase)) {
+    return reader.read_one_call(*this);
+  }
   const std::optional<at::Tensor> gain =
       reader.norm_weight.defined() ? std::optional<at::Tensor>(reader.norm_weight) : std::nullopt;
   if (pos == 0) {
@@ -167,7 +174,7 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     entry.partials = partials;
     entry.lse = lse;
     state.entries[num_completed] = std::move(entry);
-    return partials[0];
+    return reader.out_normed(partials[0]);
   }
   const auto it = state.entries.find(num_completed);
   if (it == state.entries.end() || !it->second.last_completed.is_same(completed_.back()) ||
@@ -176,8 +183,9 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     return reader.read_one_call(*this);
   }
   if (at::GradMode::is_enabled()) {
-    return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
-                            gain, reader.options.eps());
+    return reader.out_normed(block_read_merge(it->second.partials[pos], it->second.lse[pos],
+                                              partial_, reader.query, gain,
+                                              reader.options.eps()));
   }
   // Inference: h overwrites the partial output it consumes (no new output
   // allocated); a second read at this position reads one-call.
@@ -185,7 +193,7 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   it->second.partials[pos] = at::Tensor();
   block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
                            reader.options.eps());
-  return h;
+  return reader.out_normed(h);
 }
 
 at::Tensor DepthStream::checked_output(const at::Tensor& f) const {
@@ -233,6 +241,8 @@ void AttnResResidualImpl::reset() {
                     "dim must be a positive int (the model width D), got ", options.dim());
   TORCH_CHECK_VALUE(options.eps() >= 0.0 && std::isfinite(options.eps()),
                     "eps must be a finite number >= 0, got ", options.eps());
+  TORCH_CHECK_VALUE(options.out_eps() >= 0.0 && std::isfinite(options.out_eps()),
+                    "out_eps must be a finite number >= 0, got ", options.out_eps());
   at::TensorOptions factory;
   if (options.dtype()) factory = factory.dtype(*options.dtype());
   if (options.device()) factory = factory.device(*options.device());
@@ -242,6 +252,11 @@ void AttnResResidualImpl::reset() {
   } else {
     norm_weight = at::Tensor();
   }
+  if (options.out_norm() == OutNorm::kRMSNorm) {
+    out_weight = register_parameter("out_weight", at::empty({options.dim()}, factory));
+  } else {
+    out_weight = at::Tensor();
+  }
   reset_parameters();
 }
 
@@ -249,6 +264,7 @@ void AttnResResidualImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
   query.zero_();
   if (norm_weight.defined()) norm_weight.fill_(1.0);
+  if (out_weight.defined()) out_weight.fill_(1.0);
 }
 
 void AttnResResidualImpl::check_width(const DepthStream& stream) const {
@@ -257,10 +273,18 @@ void AttnResResidualImpl::check_width(const DepthStream& stream) const {
 }
 
 at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
-  return depth_attention(stream.sources(), query,
-                         norm_weight.defined() ? std::optional<at::Tensor>(norm_weight)
-                                               : std::nullopt,
-                         options.eps());
+  const auto gain =
+      norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
+  if (out_weight.defined()) {
+    return depth_attention_normed(stream.sources(), query, gain, out_weight, options.eps(), 1.0,
+                                  options.out_eps());
+  }
+  return depth_attention(stream.sources(), query, gain, options.eps());
+}
+
+at::Tensor AttnResResidualImpl::out_normed(const at::Tensor& h) const {
+  if (!out_weight.defined()) return h;
+  return at::rms_norm(h, {options.dim()}, out_weight.to(h.scalar_type()), options.out_eps());
 }
 
 at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {
@@ -275,6 +299,7 @@ bool AttnResResidualImpl::can_share_phase_one(const AttnResResidualImpl& other) 
     return false;
   }
   if (norm_weight.defined() != other.norm_weight.defined()) return false;
+  if (out_weight.defined() != other.out_weight.defined()) return false;
   return !norm_weight.defined() || other.norm_weight.scalar_type() == norm_weight.scalar_type();
 }
 
@@ -300,15 +325,22 @@ std::shared_ptr<AttnResResidualImpl> AttnResResidualImpl::successor(uint64_t tok
 std::tuple<at::Tensor, at::Tensor> AttnResResidualImpl::forward_with_weights(
     const DepthStream& stream) {
   check_width(stream);
-  return depth_attention_with_weights(
-      stream.sources(), query,
-      norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt,
-      options.eps());
+  const auto gain =
+      norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
+  if (out_weight.defined()) {
+    return depth_attention_normed_with_weights(stream.sources(), query, gain, out_weight,
+                                               options.eps(), 1.0, options.out_eps());
+  }
+  return depth_attention_with_weights(stream.sources(), query, gain, options.eps());
 }
 
 void AttnResResidualImpl::pretty_print(std::ostream& stream) const {
   stream << "attnres::AttnResResidual(dim=" << options.dim() << ", eps=" << options.eps()
-         << ", key_norm_affine=" << (options.key_norm_affine() ? "true" : "false") << ")";
+         << ", key_norm_affine=" << (options.key_norm_affine() ? "true" : "false");
+  if (options.out_norm() == OutNorm::kRMSNorm) {
+    stream << ", out_norm=rmsnorm, out_eps=" << options.out_eps();
+  }
+  stream << ")";
 }
 
 }  // namespace attnres

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "attnres/depth_math.h"
@@ -286,6 +287,120 @@ void row_scale_store(scalar_t* out, const acc_t* acc, acc_t factor,
   for (; j < D; ++j) out[j] = static_cast<scalar_t>(acc[j] * factor);
 }
 
+// The fused output norm's store (docs/design.md §11): h = acc * factor
+// rounded to scalar_t (the h the backward gets, so its r and n = r h agree
+// with the saved h; also what the unfused read + RMSNorm computes),
+// y = (r h) * w with r from sum(h^2) (rescued when out of range, as a key
+// row), and h itself where h_out is set. Returns r.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+acc_t row_normed_store(scalar_t* y, scalar_t* h_out, const acc_t* acc, acc_t factor,
+                       const acc_t* w, acc_t eps, int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const AVec f(factor);
+  auto rounded_h = [&](int64_t j, AVec (&h)[L::kParts]) {
+    for (int k = 0; k < L::kParts; ++k) h[k] = AVec::loadu(acc + j + k * AVec::size()) * f;
+    if constexpr (L::kReduced) {
+      std::tie(h[0], h[1]) =
+          at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(h[0], h[1]));
+    }
+  };
+  auto rounded_h_at = [&](int64_t j) {
+    return static_cast<acc_t>(static_cast<scalar_t>(acc[j] * factor));
+  };
+  AVec sq[L::kParts];
+  for (int k = 0; k < L::kParts; ++k) sq[k] = AVec(acc_t(0));
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec h[L::kParts];
+    rounded_h(j, h);
+    for (int k = 0; k < L::kParts; ++k) sq[k] = at::vec::fmadd(h[k], h[k], sq[k]);
+  }
+  acc_t sumsq = hsum(sq[0]);
+  if constexpr (L::kParts == 2) sumsq += hsum(sq[1]);
+  for (; j < D; ++j) {
+    const acc_t h = rounded_h_at(j);
+    sumsq += h * h;
+  }
+  acc_t r;
+  if (!math::row_needs_rescale(sumsq, acc_t(0), eps)) {
+    r = math::rstd_from_sumsq(sumsq, D, eps);
+  } else {  // rare: scalar
+    const acc_t c = math::rescale_factor(sumsq);
+    acc_t sumsq_c = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t hc = rounded_h_at(d) * c;
+      sumsq_c += hc * hc;
+    }
+    r = math::out_norm_rstd_rescaled(sumsq_c, c, D, eps);
+  }
+  const AVec rv(r);
+  j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec h[L::kParts], o[L::kParts];
+    rounded_h(j, h);
+    for (int k = 0; k < L::kParts; ++k) {
+      o[k] = (h[k] * rv) * AVec::loadu(w + j + k * AVec::size());
+    }
+    L::store(y + j, o);
+    if (h_out) L::store(h_out + j, h);
+  }
+  for (; j < D; ++j) {
+    const acc_t h = rounded_h_at(j);
+    y[j] = static_cast<scalar_t>((h * r) * w[j]);
+    if (h_out) h_out[j] = static_cast<scalar_t>(h);
+  }
+  return r;
+}
+
+// The fused output norm's backward prologue of one token: dh (accumulation
+// dtype) from dy, the saved h and the norm's r; dw += dy * n where dw is
+// set. Two sweeps of rows in L1: c = <g, n>/D, then dh.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void row_normed_grad(acc_t* dh, const scalar_t* dy, const scalar_t* h, const acc_t* w, acc_t r,
+                     acc_t* dw, int64_t D) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  const AVec rv(r);
+  AVec cs[L::kParts];
+  for (int k = 0; k < L::kParts; ++k) cs[k] = AVec(acc_t(0));
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec dyv[L::kParts], hv[L::kParts];
+    L::load(dy + j, dyv);
+    L::load(h + j, hv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t jk = j + k * AVec::size();
+      cs[k] = at::vec::fmadd(dyv[k] * AVec::loadu(w + jk), hv[k] * rv, cs[k]);
+    }
+  }
+  acc_t c = hsum(cs[0]);
+  if constexpr (L::kParts == 2) c += hsum(cs[1]);
+  for (; j < D; ++j) {
+    c += (static_cast<acc_t>(dy[j]) * w[j]) * (static_cast<acc_t>(h[j]) * r);
+  }
+  c /= acc_t(D);
+  const AVec cv(c);
+  j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec dyv[L::kParts], hv[L::kParts];
+    L::load(dy + j, dyv);
+    L::load(h + j, hv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t jk = j + k * AVec::size();
+      const AVec n = hv[k] * rv;
+      math::out_norm_grad(rv, dyv[k] * AVec::loadu(w + jk), cv, n).store(dh + jk);
+      if (dw) at::vec::fmadd(dyv[k], n, AVec::loadu(dw + jk)).store(dw + jk);
+    }
+  }
+  for (; j < D; ++j) {
+    const acc_t dyj = static_cast<acc_t>(dy[j]);
+    const acc_t n = static_cast<acc_t>(h[j]) * r;
+    dh[j] = math::out_norm_grad(r, dyj * w[j], c, n);
+    if (dw) dw[j] += dyj * n;
+  }
+}
+
 // The pass-2 sweep of one source row for what is wanted of it, or (with a
 // row `next` to take the dot products of) that sweep as the companion of
 // next's: then <dh_next, next> and <u, next> come back in dot_dh / dot_u.
@@ -397,16 +512,22 @@ void pivot_row_dots(const scalar_t* v, const scalar_t* h, const acc_t* dh,
 }
 
 template <typename scalar_t>
-void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
-                  at::Tensor& out, at::Tensor& rstd, at::Tensor& weights,
-                  const DepthProblem& p, double eps_d) {
+void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
+  const DepthProblem& p = call.problem;
   const int64_t N = p.N, D = p.D, T = p.T;
-  const acc_t eps = static_cast<acc_t>(eps_d);
-  const acc_t* u = u_t.const_data_ptr<acc_t>();
-  scalar_t* out_p = out.data_ptr<scalar_t>();
-  acc_t* rstd_p = rstd.data_ptr<acc_t>();
-  acc_t* w_p = weights.data_ptr<acc_t>();
+  const acc_t eps = static_cast<acc_t>(call.eps);
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  scalar_t* out_p = call.out.data_ptr<scalar_t>();
+  acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
+  acc_t* w_p = call.weights.data_ptr<acc_t>();
+  // The fused output norm (docs/design.md §11): y instead of h, h kept
+  // where asked.
+  const OutNormForward* norm = call.out_norm;
+  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
+  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
+  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
+  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   const int64_t tile = forward_tile<acc_t>(D);
   // At least a tile per task, and enough work to amortize the task overhead.
   const int64_t grain =
@@ -451,7 +572,13 @@ void forward_impl(const SourceRows<scalar_t>& src, const at::Tensor& u_t,
       }
       for (int64_t k = 0; k < n_tok; ++k) {
         const int64_t t = t0 + k;
-        row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].out_factor(), D);
+        if (norm) {
+          norm_rstd[t] = row_normed_store(out_p + t * D, h_keep ? h_keep + t * D : nullptr,
+                                          acc.data() + k * D, sm[k].out_factor(), norm_w,
+                                          norm_eps, D);
+        } else {
+          row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].out_factor(), D);
+        }
         for (int64_t i = 0; i < N; ++i) {
           w_p[i * T + t] = sm[k].weight(scores[i * tile + k]);
         }
@@ -508,6 +635,42 @@ std::vector<scalar_t*> wanted_grad_rows(const BackwardCall& call, int64_t N) {
   }
   return dv_p;
 }
+
+// Where a backward's dh rows come from: grad_out itself, or — with the
+// fused output norm — formed per token from dy, the saved h and the norm's
+// rstd (row_normed_grad), which also adds the token's dy * n to a chunk's
+// partial row of the norm weight's gradient.
+template <typename scalar_t>
+struct IncomingGrad {
+  using acc_t = at::opmath_type<scalar_t>;
+  Rows dy_rows, h_rows;
+  const scalar_t* dy = nullptr;
+  const scalar_t* h = nullptr;
+  const acc_t* w = nullptr;
+  const acc_t* r = nullptr;
+  bool want_dw = false;
+  int64_t D;
+
+  explicit IncomingGrad(const BackwardCall& call) : D(call.problem.D) {
+    dy_rows = as_rows(call.grad_out);
+    dy = dy_rows.tensor.template const_data_ptr<scalar_t>();
+    if (const OutNormBackward* norm = call.out_norm) {
+      h_rows = as_rows(call.out);
+      h = h_rows.tensor.template const_data_ptr<scalar_t>();
+      w = norm->weight.template const_data_ptr<acc_t>();
+      r = norm->rstd.template const_data_ptr<acc_t>();
+      want_dw = norm->grad_weight.defined();
+    }
+  }
+  void load(acc_t* dh, int64_t t, acc_t* dw) const {
+    const scalar_t* dy_t = dy + t * dy_rows.row_stride;
+    if (h) {
+      row_normed_grad(dh, dy_t, h + t * h_rows.row_stride, w, r[t], dw, D);
+    } else {
+      row_load(dh, dy_t, D);
+    }
+  }
+};
 
 // The backward of one token in math::WideType (double for fp32
 // accumulation, long double for fp64): the rare tokens whose rows are near
@@ -583,8 +746,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   const acc_t* gw_p = call.grad_weights.defined()
                           ? call.grad_weights.const_data_ptr<acc_t>()
                           : nullptr;
-  Rows dh_rows = as_rows(call.grad_out);
-  const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
+  const IncomingGrad<scalar_t> incoming(call);
   Rows h_rows = as_rows(call.out);
   const scalar_t* h_p = h_rows.tensor.const_data_ptr<scalar_t>();
   const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
@@ -596,6 +758,8 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
+  std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
+                                acc_t(0));
 
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
@@ -640,6 +804,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
     };
     for (int64_t c = c_begin; c < c_end; ++c) {
       z = want_z ? partial.data() + c * D : nullptr;
+      acc_t* dw = incoming.want_dw ? partial_dw.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
       for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
@@ -650,7 +815,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
           acc_t* dh_k = dh.data() + k * D;
-          row_load(dh_k, dh_p + t * dh_rows.row_stride, D);
+          incoming.load(dh_k, t, dw);
           rare[k] = 0;
           math::Pivot<acc_t> pivot;
           for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
@@ -741,6 +906,9 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
     if (stream) store_fence();
   });
   if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
+  if (incoming.want_dw) {
+    sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
+  }
 }
 
 // The two-pass backward, kept for bfloat16/float16 sources: their h is
@@ -761,8 +929,7 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
   const acc_t* gw_p = call.grad_weights.defined()
                           ? call.grad_weights.const_data_ptr<acc_t>()
                           : nullptr;
-  Rows dh_rows = as_rows(call.grad_out);
-  const scalar_t* dh_p = dh_rows.tensor.const_data_ptr<scalar_t>();
+  const IncomingGrad<scalar_t> incoming(call);
   const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
   const bool want_z = call.z.defined();
   const bool stream = stream_grads(dv_p, T, D);
@@ -772,6 +939,8 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
   const int64_t tile = backward_tile<scalar_t>(N, D);
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
+  std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
+                                acc_t(0));
 
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
@@ -780,11 +949,12 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
     std::vector<char> rare(tile);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;
+      acc_t* dw = incoming.want_dw ? partial_dw.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
       for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
         for (int64_t k = 0; k < n_tok; ++k) {
-          row_load(dh.data() + k * D, dh_p + (t0 + k) * dh_rows.row_stride, D);
+          incoming.load(dh.data() + k * D, t0 + k, dw);
         }
         // Pass 1: dp_i = <dh, v_i> (+ grad_weights_i), s_i = r_i <u, v_i>.
         for (int64_t i = 0; i < N; ++i) {
@@ -847,6 +1017,9 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
     if (stream) store_fence();
   });
   if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
+  if (incoming.want_dw) {
+    sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
+  }
 }
 
 }  // namespace
@@ -855,8 +1028,7 @@ void forward(const ForwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
-        forward_impl<scalar_t>(src, call.u, call.out, call.rstd, call.weights,
-                               call.problem, call.eps);
+        forward_impl<scalar_t>(src, call);
       });
 }
 

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .modules import AttnResResidual, DepthStream
 
 RESIDUALS = ("standard", "full", "block")
+NORMS = ("layernorm", "rmsnorm")
 
 
 @dataclass
@@ -38,10 +39,17 @@ class GPTConfig:
     norm_eps: float = 1e-5
     # Recompute each transformer block in backward (torch.utils.checkpoint).
     checkpoint_blocks: bool = False
+    # The pre-norms (and the final norm): "layernorm" or "rmsnorm". With
+    # AttnRes and "rmsnorm" each read returns its sublayer's pre-norm itself
+    # (AttnResResidual(out_norm="rmsnorm"): the norm fused into the read,
+    # docs/design.md §11), so the sublayers have no norm module of their own.
+    norm: str = "layernorm"
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
@@ -82,6 +90,29 @@ class GPTConfig:
         """
         return self.norm_eps / self.sources_read_by(sublayer) ** 2
 
+    @property
+    def fused_norm(self) -> bool:
+        """Whether the reads carry the pre-norms (AttnRes with "rmsnorm")."""
+        return self.norm == "rmsnorm" and self.residual != "standard"
+
+    def make_prenorm(self, sublayer: int) -> nn.Module:
+        """The norm module in front of sublayer ``sublayer`` (``2 * n_layers``:
+        the final norm): Identity where the read carries it."""
+        eps = self.prenorm_eps(sublayer)
+        if self.fused_norm:
+            return nn.Identity()
+        if self.norm == "rmsnorm":
+            return nn.RMSNorm(self.d_model, eps=eps)
+        return nn.LayerNorm(self.d_model, eps=eps)
+
+    def make_read(self, sublayer: int) -> AttnResResidual:
+        """The AttnRes read in front of sublayer ``sublayer`` (``2 * n_layers``:
+        the final read), with the pre-norm fused in when ``fused_norm``."""
+        if self.fused_norm:
+            return AttnResResidual(self.d_model, eps=self.eps, out_norm="rmsnorm",
+                                   out_eps=self.prenorm_eps(sublayer))
+        return AttnResResidual(self.d_model, eps=self.eps)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -115,14 +146,14 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig, index: int = 0):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * index))
+        self.ln1 = cfg.make_prenorm(2 * index)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * index + 1))
+        self.ln2 = cfg.make_prenorm(2 * index + 1)
         self.mlp = MLP(cfg)
         self.uses_attnres = cfg.residual != "standard"
         if self.uses_attnres:
-            self.res_attn = AttnResResidual(cfg.d_model, eps=cfg.eps)
-            self.res_mlp = AttnResResidual(cfg.d_model, eps=cfg.eps)
+            self.res_attn = cfg.make_read(2 * index)
+            self.res_mlp = cfg.make_read(2 * index + 1)
 
     def forward(self, x, weights: Optional[list] = None):
         """Standard: ``x -> x + attn(...) + mlp(...)``. AttnRes: ``x`` is a
@@ -159,8 +190,8 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         if cfg.residual != "standard":
-            self.final_res = AttnResResidual(cfg.d_model, eps=cfg.eps)
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.prenorm_eps(2 * cfg.n_layers))
+            self.final_res = cfg.make_read(2 * cfg.n_layers)
+        self.ln_f = cfg.make_prenorm(2 * cfg.n_layers)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self._init_weights()

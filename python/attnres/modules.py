@@ -29,6 +29,7 @@ _BLOCK_READS = ("auto", "two_phase", "one_call")
 # limits in a wider type, as the one-call backward does (§8), so training
 # reads stay one-call under "auto" until they do.
 _AUTO_MIN_COMPLETED = 3
+_OUT_NORMS = (None, "rmsnorm")
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -207,7 +208,12 @@ class DepthStream:
         if pos > 0 and last is not None and last[1] == num_completed and last[2] == pos - 1:
             last[0]._learn_successor(reader, state.token)
         state.last = (reader, num_completed, pos)
-        if not self._two_phase(num_completed):
+        # A reader with an output norm reads one-call (the norm fused into
+        # it) unless two-phase reads are forced: the merge ops do not fuse
+        # the norm yet (docs/design.md §11).
+        if not self._two_phase(num_completed) or (
+            reader.out_weight is not None and self.block_reads != "two_phase"
+        ):
             return reader._one_call(self.sources)
         if pos == 0:
             readers = [reader]
@@ -225,20 +231,22 @@ class DepthStream:
             if not torch.is_grad_enabled():
                 state.entries.clear()  # nothing to recompute: keep one block's partials only
             state.entries[num_completed] = (self._completed[-1], readers, partials, lse)
-            return partials[0]
+            return reader._out_normed(partials[0])
         entry = state.entries.get(num_completed)
         if (entry is None or entry[0] is not self._completed[-1] or pos >= len(entry[1])
                 or entry[1][pos] is not reader or entry[2][pos] is None):
             return reader._one_call(self.sources)
         if torch.is_grad_enabled():
-            return block_read_merge(entry[2][pos], entry[3][pos], self._partial, reader.query,
-                                    reader.norm_weight, eps=reader.eps)
+            return reader._out_normed(block_read_merge(
+                entry[2][pos], entry[3][pos], self._partial, reader.query, reader.norm_weight,
+                eps=reader.eps))
         # Inference: h overwrites the partial output it consumes (no new
         # output allocated); a second read at this position reads one-call.
         partial = entry[2][pos]
         entry[2][pos] = None
-        return block_read_merge_inplace(partial, entry[3][pos], self._partial, reader.query,
-                                        reader.norm_weight, eps=reader.eps)
+        return reader._out_normed(block_read_merge_inplace(
+            partial, entry[3][pos], self._partial, reader.query, reader.norm_weight,
+            eps=reader.eps))
 
     def _checked_output(self, f) -> torch.Tensor:
         if not isinstance(f, torch.Tensor):
@@ -279,6 +287,11 @@ class AttnResResidual(nn.Module):
     ``query`` starts at zero, so an untrained read is the uniform average of
     its sources. ``norm_weight`` is the RMSNorm gain of the keys (ones), or
     ``None`` with ``key_norm_affine=False``.
+
+    ``out_norm="rmsnorm"`` makes the read return ``RMSNorm(h) * out_weight``
+    (eps ``out_eps``; ``out_weight`` learnable, ones), the norm fused into
+    the read's kernels (docs/design.md §11): use it in place of the
+    sublayer's own pre-norm. ``out_weight`` is ``None`` without it.
     """
 
     def __init__(
@@ -287,6 +300,8 @@ class AttnResResidual(nn.Module):
         *,
         eps: float = 1e-6,
         key_norm_affine: bool = True,
+        out_norm: Optional[str] = None,
+        out_eps: float = 1e-6,
         device=None,
         dtype=None,
     ):
@@ -296,14 +311,25 @@ class AttnResResidual(nn.Module):
         eps = ops._as_float(eps, "eps")
         if not (eps >= 0.0 and eps != float("inf")):
             raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+        if out_norm not in _OUT_NORMS:
+            raise ValueError(f"out_norm must be None or 'rmsnorm', got {out_norm!r}")
+        out_eps = ops._as_float(out_eps, "out_eps")
+        if not (out_eps >= 0.0 and out_eps != float("inf")):
+            raise ValueError(f"out_eps must be a finite number >= 0, got {out_eps}")
         factory = {"device": device, "dtype": dtype}
         self.dim = dim
         self.eps = float(eps)
+        self.out_norm = out_norm
+        self.out_eps = float(out_eps)
         self.query = nn.Parameter(torch.empty(dim, **factory))
         if key_norm_affine:
             self.norm_weight = nn.Parameter(torch.empty(dim, **factory))
         else:
             self.register_parameter("norm_weight", None)
+        if out_norm is not None:
+            self.out_weight = nn.Parameter(torch.empty(dim, **factory))
+        else:
+            self.register_parameter("out_weight", None)
         # The reader that read right after this one in the same block, as
         # learned from the streams (docs/design.md §10). Plain attributes,
         # not submodules: object.__setattr__ keeps nn.Module from
@@ -336,20 +362,35 @@ class AttnResResidual(nn.Module):
             return False
         if (self.norm_weight is None) != (other.norm_weight is None):
             return False
+        if (self.out_weight is None) != (other.out_weight is None):
+            return False
         return self.norm_weight is None or other.norm_weight.dtype == self.norm_weight.dtype
 
     def _one_call(self, sources: List[torch.Tensor], return_weights: bool = False):
         return depth_attention(sources, self.query, self.norm_weight, eps=self.eps,
-                               return_weights=return_weights)
+                               return_weights=return_weights, out_weight=self.out_weight,
+                               out_eps=self.out_eps)
+
+    def _out_normed(self, h: torch.Tensor) -> torch.Tensor:
+        """A two-phase read's h with this reader's output norm, when it has
+        one (only under block_reads="two_phase": the merge ops do not fuse
+        the norm yet, docs/design.md §11)."""
+        if self.out_weight is None:
+            return h
+        return torch.nn.functional.rms_norm(h, (self.dim,), self.out_weight.to(h.dtype),
+                                            self.out_eps)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)
         if self.norm_weight is not None:
             nn.init.ones_(self.norm_weight)
+        if self.out_weight is not None:
+            nn.init.ones_(self.out_weight)
 
     def forward(self, stream: DepthStream, return_weights: bool = False):
-        """``h`` [..., D] in the stream dtype; with ``return_weights`` also the
-        depth softmax weights [num_sources, ...] (float32)."""
+        """``h`` [..., D] in the stream dtype (``RMSNorm(h) * out_weight`` with
+        an output norm); with ``return_weights`` also the depth softmax
+        weights [num_sources, ...] (float32)."""
         if not isinstance(stream, DepthStream):
             raise TypeError(
                 f"AttnResResidual expects an attnres.DepthStream, got {type(stream).__name__}"
@@ -364,4 +405,7 @@ class AttnResResidual(nn.Module):
         return stream._read(self)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, key_norm_affine={self.norm_weight is not None}"
+        text = f"{self.dim}, eps={self.eps}, key_norm_affine={self.norm_weight is not None}"
+        if self.out_norm is not None:
+            text += f", out_norm={self.out_norm!r}, out_eps={self.out_eps}"
+        return text

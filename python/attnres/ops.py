@@ -142,8 +142,10 @@ def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
 
 
 def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights,
-                        scale, output_mask) -> None:
-    """Same checks and words as csrc/arguments.cpp's check_backward_args."""
+                        scale, output_mask, *, h_name="out (the forward's output h)",
+                        mask_what="query, norm_weight") -> None:
+    """Same checks and words as csrc/arguments.cpp's check_backward_args
+    (and, with the normed op's h_name/mask_what, check_normed_backward_args)."""
     check_args(sources, query, norm_weight, 0.0, scale)
     src0 = sources[0]
     if grad_out is not None:
@@ -158,19 +160,16 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out
             raise ValueError("grad_out must be on the sources' device")
     # The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
     if out is None:
-        raise ValueError("out (the forward's output h) must be a tensor")
-    _check_dense(out, "out")
+        raise ValueError(f"{h_name} must be a tensor")
+    _check_dense(out, h_name)
     if out.shape != src0.shape:
         raise ValueError(
-            f"out (the forward's output h) must have the sources' shape {list(src0.shape)}, "
-            f"got {list(out.shape)}"
+            f"{h_name} must have the sources' shape {list(src0.shape)}, got {list(out.shape)}"
         )
     if out.dtype != src0.dtype:
-        raise TypeError(
-            f"out (the forward's output h) must have the sources' dtype {src0.dtype}, got {out.dtype}"
-        )
+        raise TypeError(f"{h_name} must have the sources' dtype {src0.dtype}, got {out.dtype}")
     if out.device != src0.device:
-        raise ValueError("out (the forward's output h) must be on the sources' device")
+        raise ValueError(f"{h_name} must be on the sources' device")
     stat_shape = [len(sources), *src0.shape[:-1]]
     acc = _acc_dtype(src0.dtype)
     for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
@@ -183,10 +182,11 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out
             raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
         if t.device != src0.device:
             raise ValueError(f"{name} must be on the sources' device")
-    if len(output_mask) != len(sources) + 2:
+    extra = len(mask_what.split(", "))
+    if len(output_mask) != len(sources) + extra:
         raise ValueError(
-            f"output_mask must have N + 2 = {len(sources) + 2} entries (each source, query, "
-            f"norm_weight), got {len(output_mask)}"
+            f"output_mask must have N + {extra} = {len(sources) + extra} entries (each source, "
+            f"{mask_what}), got {len(output_mask)}"
         )
 
 
@@ -208,7 +208,58 @@ def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weigh
     return grads, grad_query, grad_gain
 
 
-# Autograd of both ops is registered in C++ (csrc/autograd.cpp), so C++
+# ---- the read with a fused output norm (docs/design.md §11) -----------------
+
+
+def check_out_norm_args(out_weight, out_eps, src0: torch.Tensor) -> None:
+    """Same checks and words as csrc/arguments.cpp's check_out_norm_args."""
+    D = src0.shape[-1]
+    if out_weight is None:
+        raise ValueError(f"out_weight must be a tensor of shape [D] = [{D}]")
+    _check_parameter(out_weight, "out_weight", src0, D)
+    _check_number(out_eps, "out_eps")
+    limit = _FLOAT64_MAX if src0.dtype == torch.float64 else _FLOAT32_MAX
+    if not (0.0 <= out_eps <= limit):
+        raise ValueError(
+            "out_eps must be a finite number >= 0 (finite in the accumulation dtype), "
+            f"got {out_eps}"
+        )
+
+
+@torch.library.register_fake("attnres::depth_attention_normed_fwd")
+def _depth_attention_normed_fwd_fake(sources, query, norm_weight, out_weight, eps, scale,
+                                     out_eps, keep_h):
+    out, rstd, weights = _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale)
+    src0 = sources[0]
+    check_out_norm_args(out_weight, out_eps, src0)
+    h = torch.empty(src0.shape if keep_h else (0,), dtype=src0.dtype, device=src0.device)
+    out_rstd = src0.new_empty(src0.shape[:-1], dtype=_acc_dtype(src0.dtype))
+    return out, h, rstd, weights, out_rstd
+
+
+@torch.library.register_fake("attnres::depth_attention_normed_bwd")
+def _depth_attention_normed_bwd_fake(grad_out, grad_weights, sources, query, norm_weight,
+                                     out_weight, h, rstd, weights, out_rstd, scale, output_mask):
+    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
+                        scale, output_mask,
+                        h_name="h (the forward's read before the output norm)",
+                        mask_what="query, norm_weight, out_weight")
+    src0 = sources[0]
+    check_out_norm_args(out_weight, 0.0, src0)
+    _check_dense(out_rstd, "out_rstd")
+    if tuple(out_rstd.shape) != tuple(src0.shape[:-1]):
+        raise ValueError(
+            f"out_rstd must have shape [...] = {list(src0.shape[:-1])} (one per token), "
+            f"got {list(out_rstd.shape)}"
+        )
+    grads, grad_query, grad_gain = _depth_attention_bwd_fake(
+        grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights, scale,
+        output_mask[:-1])
+    grad_out_weight = torch.empty_like(out_weight) if output_mask[len(sources) + 2] else None
+    return grads, grad_query, grad_gain, grad_out_weight
+
+
+# Autograd of these ops is registered in C++ (csrc/autograd.cpp), so C++
 # callers get gradients too.
 
 
@@ -239,6 +290,8 @@ def depth_attention(
     eps: float = 1e-6,
     scale: float = 1.0,
     return_weights: bool = False,
+    out_weight: Optional[torch.Tensor] = None,
+    out_eps: float = 1e-6,
 ):
     """Fused depth attention over ``sources`` (docs/design.md §1).
 
@@ -249,6 +302,11 @@ def depth_attention(
     with ``return_weights`` also the softmax weights [N, ...] as float32
     (differentiable: a loss on them reaches the sources, query and gain
     through the same fused backward).
+
+    With ``out_weight`` ([D], like the query) the read returns
+    ``RMSNorm(h) * out_weight`` (eps ``out_eps``) instead of h, the norm
+    fused into the read's kernels (docs/design.md §11): the sublayer after
+    it needs no pre-norm of its own.
     """
     if isinstance(sources, torch.Tensor):
         if sources.dim() < 2:
@@ -260,9 +318,16 @@ def depth_attention(
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     # The op checks everything else, once, in C++.
     try:
-        h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
-            sources, query, norm_weight, eps_f, scale_f
-        )
+        if out_weight is None:
+            h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
+                sources, query, norm_weight, eps_f, scale_f
+            )
+        else:
+            # h is kept for the backward by the op's autograd when it records.
+            h, _h, _rstd, weights, _out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
+                sources, query, norm_weight, out_weight, eps_f, scale_f,
+                _as_float(out_eps, "out_eps"), False
+            )
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.

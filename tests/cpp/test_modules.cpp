@@ -792,3 +792,124 @@ TEST(Training, AFewAdamStepsReduceTheLoss) {
 }
 
 }  // namespace
+
+// ---- the read with a fused output norm (docs/design.md §11) -------------------
+
+TEST(OutNorm, NormedReadAndItsGradientsMatchAtenMath) {
+  for (bool with_gain : {true, false}) {
+    SCOPED_TRACE(with_gain ? "with gain" : "without gain");
+    at::manual_seed(21);
+    const int64_t D = 12;
+    const Tensors sources = leaves(5, {2, 3, D});
+    const at::Tensor query = (at::randn({D}, at::kDouble) * 0.5).requires_grad_(true);
+    const at::Tensor gain = (at::rand({D}, at::kDouble) + 0.5).requires_grad_(true);
+    const at::Tensor out_weight = (at::rand({D}, at::kDouble) + 0.5).requires_grad_(true);
+    const std::optional<at::Tensor> g = with_gain ? std::optional<at::Tensor>(gain) : std::nullopt;
+    const at::Tensor grad_out = at::randn({2, 3, D}, at::kDouble);
+    Tensors inputs = sources;
+    inputs.push_back(query);
+    if (with_gain) inputs.push_back(gain);
+    inputs.push_back(out_weight);
+
+    const at::Tensor y =
+        attnres::depth_attention_normed(sources, query, g, out_weight, 1e-6, 0.8, 1e-5);
+    const Tensors grads = torch::autograd::grad({y}, inputs, {grad_out});
+    const at::Tensor h_ref = composite(sources, query, g, 1e-6, 0.8).first;
+    const at::Tensor y_ref = at::rms_norm(h_ref, {D}, out_weight, 1e-5);
+    const Tensors ref = torch::autograd::grad({y_ref}, inputs, {grad_out});
+
+    expect_close(y, y_ref, kOutputTol, "y");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ASSERT_GT(ref[i].abs().max().item<double>(), 0.0) << "trivial reference " << i;
+      expect_close(grads[i], ref[i], kGradTol, "gradient of input " + std::to_string(i));
+    }
+  }
+}
+
+TEST(OutNorm, RawOpsKeepHOnlyWhenAskedAndComputeOnlyTheMaskedGradients) {
+  at::manual_seed(22);
+  const int64_t D = 9;
+  Tensors sources;
+  for (int i = 0; i < 3; ++i) sources.push_back(at::randn({4, D}, at::kDouble));
+  const at::Tensor query = at::randn({D}, at::kDouble);
+  const at::Tensor w = at::rand({D}, at::kDouble) + 0.5;
+  const auto [y, h, rstd, weights, out_rstd] =
+      attnres::depth_attention_normed_fwd(sources, query, std::nullopt, w, 1e-6, 1.0, 1e-6, true);
+  const auto [y2, no_h, rstd2, weights2, out_rstd2] =
+      attnres::depth_attention_normed_fwd(sources, query, std::nullopt, w, 1e-6, 1.0, 1e-6, false);
+  EXPECT_EQ(no_h.numel(), 0);
+  EXPECT_TRUE(at::equal(y, y2));
+  EXPECT_TRUE(at::equal(h, attnres::depth_attention(sources, query, std::nullopt, 1e-6, 1.0)));
+  EXPECT_EQ(out_rstd.sizes(), at::IntArrayRef({4}));
+  const at::Tensor dy = at::randn({4, D}, at::kDouble);
+  c10::List<bool> all({true, true, true, true, true, true});
+  c10::List<bool> only_w({false, false, false, false, false, true});
+  const auto every = attnres::depth_attention_normed_bwd(dy, std::nullopt, sources, query,
+                                                         std::nullopt, w, h, rstd, weights,
+                                                         out_rstd, 1.0, all);
+  const auto some = attnres::depth_attention_normed_bwd(dy, std::nullopt, sources, query,
+                                                        std::nullopt, w, h, rstd, weights,
+                                                        out_rstd, 1.0, only_w);
+  EXPECT_EQ(std::get<0>(every).size(), 3u);
+  EXPECT_TRUE(std::get<0>(some).empty());
+  EXPECT_FALSE(std::get<1>(some).defined());
+  EXPECT_TRUE(at::equal(std::get<3>(some), std::get<3>(every)));
+  expect_error<c10::ValueError>(
+      [&] {
+        attnres::depth_attention_normed_fwd(sources, query, std::nullopt, at::ones({D + 1},
+                                            at::kDouble), 1e-6, 1.0, 1e-6, false);
+      },
+      "out_weight must have shape [D]");
+}
+
+TEST(OutNorm, ModuleReadsAreTheNormOfThePlainReadsInFullAndBlock) {
+  const int64_t D = 8;
+  for (std::optional<int64_t> S : {std::optional<int64_t>(), std::optional<int64_t>(3)}) {
+    for (auto mode : {attnres::BlockReads::kAuto, attnres::BlockReads::kTwoPhase}) {
+      SCOPED_TRACE(S ? "Block" : "Full");
+      at::manual_seed(23);
+      std::vector<attnres::AttnResResidual> plain, normed;
+      for (int i = 0; i < 8; ++i) {
+        plain.emplace_back(attnres::AttnResResidualOptions(D).dtype(at::kDouble));
+        normed.emplace_back(attnres::AttnResResidualOptions(D)
+                                .dtype(at::kDouble)
+                                .out_norm(attnres::OutNorm::kRMSNorm)
+                                .out_eps(1e-5));
+        torch::NoGradGuard no_grad;
+        plain.back()->query.normal_();
+        normed.back()->query.copy_(plain.back()->query);
+        normed.back()->out_weight.uniform_(0.5, 1.5);
+      }
+      const Tensors outputs = [&] {
+        Tensors o;
+        for (int i = 0; i < 8; ++i) o.push_back(at::randn({2, 3, D}, at::kDouble));
+        return o;
+      }();
+      for (int pass = 0; pass < 2; ++pass) {  // the second pass knows the reader order
+        attnres::DepthStream a(outputs[0], S, mode), b(outputs[0], S, mode);
+        for (int i = 0; i < 8; ++i) {
+          const at::Tensor h = plain[i](a);
+          const at::Tensor y = normed[i](b);
+          expect_close(y, at::rms_norm(h, {D}, normed[i]->out_weight, 1e-5), kOutputTol, "y");
+          a.append(outputs[i] * 0.5 + h * 0.1);
+          b.append(outputs[i] * 0.5 + h * 0.1);
+        }
+      }
+    }
+  }
+  attnres::AttnResResidual res(
+      attnres::AttnResResidualOptions(D).out_norm(attnres::OutNorm::kRMSNorm));
+  EXPECT_EQ(parameter_names(*res),
+            (std::vector<std::string>{"query", "norm_weight", "out_weight"}));
+  EXPECT_TRUE(at::equal(res->out_weight, at::ones({D})));
+  std::ostringstream text;
+  text << *res;
+  EXPECT_EQ(text.str(),
+            "attnres::AttnResResidual(dim=8, eps=1e-06, key_norm_affine=true, "
+            "out_norm=rmsnorm, out_eps=1e-06)");
+  expect_error<c10::ValueError>(
+      [&] {
+        attnres::AttnResResidual{attnres::AttnResResidualOptions(D).out_eps(-1.0)};
+      },
+      "out_eps must be a finite number >= 0");
+}

@@ -127,6 +127,10 @@ class DepthStream {
 // DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
 std::ostream& operator<<(std::ostream& out, const DepthStream& stream);
 
+// The output norm a read can carry (docs/design.md §11): none, or
+// RMSNorm(h) * out_weight fused into the read (the sublayer's pre-norm).
+enum class OutNorm { kNone, kRMSNorm };
+
 // Options of AttnResResidual (torch::nn style):
 //   attnres::AttnResResidual res(attnres::AttnResResidualOptions(512).eps(1e-6));
 struct AttnResResidualOptions {
@@ -138,6 +142,12 @@ struct AttnResResidualOptions {
   TORCH_ARG(double, eps) = 1e-6;
   // Whether the keys' RMSNorm has a learned gain (the parameter norm_weight).
   TORCH_ARG(bool, key_norm_affine) = true;
+  // kRMSNorm: the read returns RMSNorm(h) * out_weight (eps out_eps), the
+  // norm fused into the read's kernels; use it instead of the sublayer's
+  // own pre-norm.
+  TORCH_ARG(OutNorm, out_norm) = OutNorm::kNone;
+  // Inside the RMS of the output norm; finite and >= 0.
+  TORCH_ARG(double, out_eps) = 1e-6;
   // dtype and device of the parameters (default: torch's default dtype, CPU);
   // module->to(...) moves them later as for any torch::nn module.
   TORCH_ARG(std::optional<at::ScalarType>, dtype) = std::nullopt;
@@ -148,19 +158,21 @@ struct AttnResResidualOptions {
 // with its own instance, the network's final output). Parameters: "query"
 // [dim], zeros (an untrained read is the plain average of its sources), and
 // "norm_weight" [dim], ones, only with key_norm_affine (otherwise norm_weight
-// is an undefined tensor and not registered).
+// is an undefined tensor and not registered), and "out_weight" [dim], ones,
+// only with out_norm kRMSNorm.
 class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
  public:
   explicit AttnResResidualImpl(const AttnResResidualOptions& options_);
 
   // Registers the parameters (torch::nn::Cloneable calls it again in clone()).
   void reset() override;
-  // query = 0, norm_weight = 1.
+  // query = 0, norm_weight = 1, out_weight = 1.
   void reset_parameters();
 
   // h [..., D] in the stream dtype: attnres::depth_attention on
   // stream.sources() (the list itself, never stacked), or in a Block stream
-  // on CPU the same h from the two-phase ops (DepthStream::read).
+  // on CPU the same h from the two-phase ops (DepthStream::read). With an
+  // output norm, RMSNorm(h) * out_weight (attnres::depth_attention_normed).
   at::Tensor forward(const DepthStream& stream);
   // h and the depth softmax weights [num_sources, ...] (fp32; fp64 for an
   // fp64 stream); both are differentiable.
@@ -172,11 +184,15 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   AttnResResidualOptions options;
   at::Tensor query;
   at::Tensor norm_weight;  // undefined without key_norm_affine
+  at::Tensor out_weight;   // undefined without an output norm
 
  private:
   friend class DepthStream;
   void check_width(const DepthStream& stream) const;
   at::Tensor read_one_call(const DepthStream& stream);
+  // A two-phase read's h with the output norm, when there is one (only
+  // under BlockReads::kTwoPhase: the merge ops do not fuse it yet).
+  at::Tensor out_normed(const at::Tensor& h) const;
   // Whether `other` can join this reader's phase-1 call (one eps, stackable
   // parameters).
   bool can_share_phase_one(const AttnResResidualImpl& other) const;
