@@ -490,9 +490,17 @@ __device__ __forceinline__ void forward_store_token(
   forward_finish_weights(p, pos, t, sm);
 }
 
-// One pack of the fused output norm's result, (h r) * w, and of h, rounded
-// to the source dtype (h in the accumulation dtype: the norm uses it before
-// it is rounded).
+// h as the fused output norm sees it: rounded to the source dtype (the h
+// the backward is given, so its n = r h and r agree; also what an unfused
+// read + RMSNorm normalizes; docs/design.md §11), held in the accumulation
+// dtype.
+template <typename scalar_t>
+__device__ __forceinline__ at::opmath_type<scalar_t> norm_input(at::opmath_type<scalar_t> h) {
+  return static_cast<at::opmath_type<scalar_t>>(static_cast<scalar_t>(h));
+}
+
+// One pack of the fused output norm's result, (h r) * w, and of h (already
+// rounded: norm_input), in the source dtype.
 template <typename scalar_t, int VEC>
 __device__ __forceinline__ void forward_store_normed_pack(const ForwardParams<scalar_t>& p,
                                                           int64_t t, int D, int c,
@@ -513,7 +521,8 @@ __device__ __forceinline__ void forward_store_normed_pack(const ForwardParams<sc
 }
 
 // The fused output norm's epilogue (token t, every thread of the reduction
-// peers calls it): r from sum(h^2) of the accumulator in registers (one
+// peers calls it): r from sum(h^2) of the accumulator in registers (h
+// rounded as norm_input; one
 // group reduction; a second one, with the row scaled by a power of two, only
 // when some peer's sum is out of range, math::row_needs_rescale), then, when
 // `store`, (h r) * w and h stored once from the registers and the weights
@@ -533,7 +542,7 @@ __device__ __forceinline__ int forward_store_token_normed(
     if (c < pos.D) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const acc_t h = acc[k][e] * f;
+        const acc_t h = norm_input<scalar_t>(acc[k][e] * f);
         ss[0] += h * h;
       }
     }
@@ -550,7 +559,7 @@ __device__ __forceinline__ int forward_store_token_normed(
       if (c < pos.D) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          const acc_t x = (acc[k][e] * f) * scale;
+          const acc_t x = norm_input<scalar_t>(acc[k][e] * f) * scale;
           sc[0] += x * x;
         }
       }
@@ -565,7 +574,7 @@ __device__ __forceinline__ int forward_store_token_normed(
       if (c < pos.D) {
         acc_t h[VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) h[e] = acc[k][e] * f;
+        for (int e = 0; e < VEC; ++e) h[e] = norm_input<scalar_t>(acc[k][e] * f);
         forward_store_normed_pack<scalar_t, VEC>(p, t, pos.D, c, h, r);
       }
     }
@@ -620,8 +629,8 @@ __device__ __forceinline__ void sync_reduction_peers(int G) {
 // of range; then, when `store`, h from the weights, one pack at a time.
 // Rows are streamed from memory and nothing but one pack is accumulated,
 // so it adds no register pressure to the fast path. kNorm: h is formed
-// twice more, for its sum of squares (the output norm's r, rescued in turn
-// when out of range), and stored as (h r) * w (and h). Returns the parity.
+// again, for its sum of squares (the output norm's r, rescued in turn when
+// out of range), and stored as (h r) * w (and h). Returns the parity.
 template <typename scalar_t, int VEC, int VPT, bool kNorm>
 __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t>& p,
                                                     const ThreadPlace& pos, int64_t t, bool store,
@@ -701,7 +710,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
         for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) h[e] *= f;
+      for (int e = 0; e < VEC; ++e) h[e] = norm_input<scalar_t>(h[e] * f);
     };
     acc_t ss[1] = {acc_t(0)};
     if (store) {

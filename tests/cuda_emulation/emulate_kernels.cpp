@@ -314,18 +314,22 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       dhv[d] = R(double(dh[t * D + d]));
     }
     if (c.norm) {
-      // y = (h r_o) w; from dy: n = r_o h, g = dy w, dh = r_o (g - <g, n>/D n).
+      // The model of docs/design.md §11: the norm takes h rounded to the
+      // source dtype (hn; straight through in the backward).
+      // y = (hn r_o) w; from dy: n = r_o hn, g = dy w, dh = r_o (g - <g, n>/D n).
+      std::vector<R> hn(D);
+      for (int d = 0; d < D; ++d) hn[d] = R(double(static_cast<scalar_t>(double(hv[d]))));
       R sumsq = 0, gn = 0;
-      for (int d = 0; d < D; ++d) sumsq += hv[d] * hv[d];
+      for (int d = 0; d < D; ++d) sumsq += hn[d] * hn[d];
       const R ro = 1 / std::sqrt(sumsq / D + R(c.out_eps));
       ref_out_rstd[t] = double(ro);
       for (int d = 0; d < D; ++d) {
         ref_h[t * D + d] = double(hv[d]);
-        ref_out[t * D + d] = double(hv[d] * ro * R(w_out[d]));
-        gn += dhv[d] * R(w_out[d]) * (ro * hv[d]);
+        ref_out[t * D + d] = double(hn[d] * ro * R(w_out[d]));
+        gn += dhv[d] * R(w_out[d]) * (ro * hn[d]);
       }
       for (int d = 0; d < D; ++d) {
-        const R n = ro * hv[d];
+        const R n = ro * hn[d];
         ref_dw[d] += double(dhv[d] * n);
         dhv[d] = ro * (dhv[d] * R(w_out[d]) - gn / D * n);
       }
@@ -612,6 +616,7 @@ int main(int argc, char** argv) {
                  forward_only(normed(range_case(2, 3, 70, {1e-300}, 0.0), true, true, 0.0)),
                  normed(range_case(1, 3, 8, {}, 1e-6, true))});
   run(float{}, {normed({1, 4, 3, 0, false, 4}),
+                normed({3, 6, 3, 0, false, 2}),
                 normed({7, 9, 64, 0, false, 2}, false),
                 normed({2, 400, 64, 0, false, 20}),       // 20 partial rows to sum
                 normed({5, 6, 1000, 0, false, 2}, true, false),
@@ -634,7 +639,9 @@ int main(int argc, char** argv) {
                 normed(range_case(3, 4, 1000, {1e38, 3e37})),
                 normed(range_case(2, 4, 2052, {3e38, 1e38}), false),
                 normed(range_case(3, 3, 2052, {}, 1e-6, true))});
-  run(c10::BFloat16{}, {normed({9, 20, 1000, 0, false, 2}),  // staged
+  run(c10::BFloat16{}, {normed({3, 6, 1, 0, false, 2}),      // D = 1, D = 3: the norm
+                        normed({2, 5, 3, 0, false, 2}),      // of the rounded h
+                        normed({9, 20, 1000, 0, false, 2}),  // staged
                         normed({9, 20, 1024, 0, false, 3, true, true}, false),
                         normed({65, 3, 1000, 0, false, 2}, true, false),  // not staged
                         normed({3, 5, 7186, 0, false, 2}),  // scalar path, block mode
@@ -645,7 +652,8 @@ int main(int argc, char** argv) {
                         normed(range_case(3, 5, 64, {1e-30}, 0.0), true, true, 0.0),
                         normed(range_case(3, 5, 7186, {1e38})),
                         normed(range_case(1, 4, 64, {}, 1e-6, true))});
-  run(c10::Half{}, {normed({17, 6, 64, 0, false, 1}),
+  run(c10::Half{}, {normed({3, 6, 1, 0, false, 2}),
+                    normed({17, 6, 64, 0, false, 1}),
                     normed({4, 300, 24, 0, false, 2}, false, false),
                     normed({2, 3, 16384, 0, false, 2}, true, true, 1e-5, k99KiB),
                     normed({3, 4, 1000, 1, false, 2}),      // odd row stride: scalar path

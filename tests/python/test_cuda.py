@@ -324,19 +324,22 @@ def test_empty_token_dimension():
 
 
 # ---- the fused output norm (depth_attention_normed_fwd/bwd) --------------------------
-# Through the ops themselves (the autograd and the functional are tested with
-# the CPU ones); the reference composes the float64 depth attention with a
-# float64 RMSNorm, differentiated by autograd.
+# Through the ops themselves (test_out_norm.py runs the functional and its
+# autograd on CUDA too, at D = 1 among others); the reference composes the
+# float64 depth attention with a float64 RMSNorm, differentiated by autograd.
 
 
 def normed_reference(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps):
-    """float64: y = RMSNorm(h) * out_weight, h the eager reference read, and
-    the gradients of <y, grad_out> (sources, query, gain, out_weight)."""
+    """float64: y = RMSNorm(h) * out_weight, h the eager reference read
+    rounded to the sources' dtype (straight through: the model of
+    docs/design.md §11), and the gradients of <y, grad_out> (sources, query,
+    gain, out_weight)."""
     xs = [s.detach().double().requires_grad_(True) for s in sources]
     q = query.detach().double().requires_grad_(True)
     g = norm_weight.detach().double().requires_grad_(True)
     w = out_weight.detach().double().requires_grad_(True)
     h = reference.depth_attention(xs, q, g, eps=eps, scale=scale)
+    h = h + (h.to(sources[0].dtype).double() - h).detach()
     r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + out_eps)
     y = h * r * w
     grads = torch.autograd.grad(y, xs + [q, g, w], grad_out.double())
