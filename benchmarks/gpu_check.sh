@@ -10,7 +10,8 @@
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
 #      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
-#      7168}, fwd and bwd; attnres, eager, fla, liger, compile);
+#      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
+#      fused output norm vs read + rms_norm, briefly (out_norm_stage);
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
@@ -192,6 +193,8 @@ PY
     echo "no time left"
   fi
 
+  out_norm_stage
+
   local k
   k=$(echo $MODEL_IMPLS | wc -w)
   for impl in $MODEL_IMPLS; do
@@ -238,6 +241,55 @@ PY
 
   sanitize_stage
   echo "== done in $(elapsed) s"
+}
+
+# The fused output norm (docs/design.md §7, §11), briefly: one bf16 read
+# with out_weight (fused) vs the read then F.rms_norm (unfused), inference
+# (no_grad) and a training step (forward + backward), CUDA-event medians.
+# At most OUT_NORM_S (default 40) seconds; rows in $RESULTS/gpu_out_norm.md.
+OUT_NORM_S=${OUT_NORM_S:-40}
+out_norm_stage() {
+  local c
+  c=$(cap "$OUT_NORM_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== fused output norm: fused vs read + rms_norm ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -lt 15 ]; then
+    echo "no time left"
+    return 0
+  fi
+  timeout -k 5 "$c" python3 - <<'PY' 2>&1 | tee "$RESULTS/gpu_out_norm.md"
+import torch, attnres
+import torch.nn.functional as F
+
+def median_ms(fn, reps=15):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+print("| bf16 N, T, D | pass | fused ms | read + rms_norm ms | unfused / fused |")
+print("|---|---|---|---|---|")
+for n, t, d in ((9, 65536, 4096), (17, 65536, 1024)):
+    g = torch.Generator(device="cuda").manual_seed(n * d)
+    src = [torch.randn(t, d, device="cuda", generator=g).bfloat16().requires_grad_(True) for _ in range(n)]
+    q = (torch.randn(d, device="cuda", generator=g) / d**0.5).requires_grad_(True)
+    w = torch.ones(d, device="cuda", requires_grad=True)
+    ow = torch.ones(d, device="cuda", requires_grad=True)
+    dy = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+    fused = lambda: attnres.depth_attention(src, q, w, out_weight=ow, out_eps=1e-5)
+    unfused = lambda: F.rms_norm(attnres.depth_attention(src, q, w), (d,), ow.bfloat16(), 1e-5)
+    for name, run in (("infer", lambda f: f()), ("train", lambda f: torch.autograd.grad(f(), src + [q, w, ow], dy))):
+        ctx = torch.no_grad() if name == "infer" else torch.enable_grad()
+        with ctx:
+            tf, tu = median_ms(lambda: run(fused)), median_ms(lambda: run(unfused))
+        print(f"| {n}, {t}, {d} | {name} | {tf:.3f} | {tu:.3f} | {tu / tf:.2f} |", flush=True)
+    del src, dy
+    torch.cuda.empty_cache()
+PY
+  echo "out_norm stage rc=${PIPESTATUS[0]}"
 }
 
 # compute-sanitizer (memcheck, racecheck) on small shapes of every kernel
