@@ -96,7 +96,8 @@ struct DeviceSources {
 // any offset): copied when it is not.
 at::Tensor pack_aligned(const at::Tensor& weight) {
   if (reinterpret_cast<uintptr_t>(weight.const_data_ptr()) % 16 == 0) return weight;
-  at::Tensor copy = at::empty_like(weight, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor copy =
+      at::empty_like(weight, weight.options().memory_format(at::MemoryFormat::Contiguous));
   copy.copy_(weight);
   return copy;
 }

@@ -565,7 +565,9 @@ __device__ __forceinline__ int forward_store_token_normed(
       }
     }
     group_allreduce<1>(sc, pos.G, red, parity);
-    if (rescale) r = math::out_norm_rstd_rescaled(sc[0], scale, static_cast<int64_t>(pos.D), p.norm_eps);
+    if (rescale) {
+      r = math::out_norm_rstd_rescaled(sc[0], scale, static_cast<int64_t>(pos.D), p.norm_eps);
+    }
   }
   if (store) {
 #pragma unroll
@@ -705,7 +707,8 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
       for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
       for (int i = 0; i < pos.N; ++i) {
         const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * pos.T + t]);
-        const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+        const Row v =
+            load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
       }
@@ -1160,8 +1163,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
       group_allreduce<1>(gn, pos.G, red, parity);
       const acc_t norm_c = gn[0] / static_cast<acc_t>(pos.D);
-      acc_t* const slots =
-          p.norm_dw_partial && active ? norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem) : nullptr;
+      acc_t* const slots = p.norm_dw_partial && active
+                               ? norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem)
+                               : nullptr;
       // dh in place of dy; dy n to the accumulators; single pass: this
       // lane's part of <dh, h>.
 #pragma unroll

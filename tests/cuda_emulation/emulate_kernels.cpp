@@ -248,8 +248,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   std::vector<acc_t> partial(bgrid * D, static_cast<acc_t>(NAN));
   bwd.params.z_partial = c.partial ? nullptr : partial.data();
   std::vector<acc_t> dw_partial(want_dw ? bgrid * D : 0, static_cast<acc_t>(NAN));
-  std::vector<acc_t> dw_slots(want_dw && plan.norm_slots_offset < 0 ? bgrid * plan.norm_slots_per_cta : 0,
-                              static_cast<acc_t>(NAN));
+  std::vector<acc_t> dw_slots(
+      want_dw && plan.norm_slots_offset < 0 ? bgrid * plan.norm_slots_per_cta : 0,
+      static_cast<acc_t>(NAN));
   if (c.norm) {
     set_backward_norm<scalar_t>(bwd.params, w_out.data(), out_rstd.data(),
                                 want_dw ? dw_partial.data() : nullptr,
