@@ -11,11 +11,14 @@ import attnres.modules as modules_mod
 from attnres import reference
 from attnres.models import GPT, GPTConfig
 
+from float64_reference import depth_attention_ref, rel_err
 from helpers import (
     GRAD_REL_TOL,
+    RANGE_MAGNITUDES,
     REL_TOL,
     STAT_REL_TOL,
     assert_rel_close,
+    extreme_sources,
     param_dtype,
     randomize_reads,
 )
@@ -473,6 +476,105 @@ def test_rows_near_the_float32_limits_are_rescued(magnitude):
     h = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1], eps=0.0)
     h_ref, _ = ref_read([*sources, block_sum], queries[1], gains[1], eps=0.0)
     assert_rel_close(h, h_ref, REL_TOL[torch.float32], "merged")
+
+
+def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, eps, scale, seed,
+                                what):
+    """A block's S reads, two-phase (reader 0 from phase 1 alone, the others
+    merged with block_sum), against tests/python/float64_reference.py (right
+    for any finite input): h and the gradients of the sources, block_sum,
+    queries and gains for random dh of every reader (the lse gradient that
+    the merges send back to phase 1 included). The same checks as the
+    one-call op's range test (test_reliability.py, _check_against_ref)."""
+    S, n = queries.shape[0], len(sources)
+    gen = torch.Generator().manual_seed(seed)
+    dh = [torch.randn(block_sum.shape, generator=gen, dtype=torch.float64).to(dtype)
+          for _ in range(S)]
+    leaves = [x.detach().clone().requires_grad_(True) for x in [*sources, block_sum, queries]]
+    gain_leaf = None if gains is None else gains.detach().clone().requires_grad_(True)
+    partial_outs, lse = attnres.block_reads(leaves[:n], leaves[n + 1], gain_leaf, eps=eps,
+                                            scale=scale)
+    hs = [partial_outs[0]] + [
+        attnres.block_read_merge(partial_outs[r], lse[r], leaves[n], leaves[n + 1][r],
+                                 None if gain_leaf is None else gain_leaf[r], eps=eps, scale=scale)
+        for r in range(1, S)]
+    wrt = leaves + ([] if gain_leaf is None else [gain_leaf])
+    grads = torch.autograd.grad(hs, wrt, dh)
+
+    ref_leaves = [x.detach().double().requires_grad_(True) for x in wrt]
+    ref_gain = ref_leaves[n + 2] if gains is not None else None
+    ref_hs = [depth_attention_ref(ref_leaves[:n] + ([ref_leaves[n]] if r > 0 else []),
+                                  ref_leaves[n + 1][r], None if ref_gain is None else ref_gain[r],
+                                  eps=eps, scale=scale)[0] for r in range(S)]
+    ref_grads = torch.autograd.grad(ref_hs, ref_leaves, [g.double() for g in dh])
+    for r in range(S):
+        assert torch.isfinite(hs[r]).all(), f"{what} h[{r}] not finite"
+        err = rel_err(hs[r], ref_hs[r])
+        assert err <= REL_TOL[dtype], f"{what} h[{r}]: {err:.3g}"
+    names = [f"sources[{i}]" for i in range(n)] + ["block_sum", "queries", "norm_weights"]
+    for name, a, b in zip(names, grads, ref_grads):
+        # A true gradient beyond the dtype's maximum is inf; the query/gain
+        # gradients near the maximum are not checked (their per-token terms
+        # may exceed it although the sum does not: docs/design.md §8).
+        limit = torch.finfo(a.dtype).max
+        if name in ("queries", "norm_weights") and (b.abs() > limit / 8).any():
+            continue
+        representable = b.abs() <= limit
+        assert torch.isfinite(a[representable]).all(), f"{what} grad {name} not finite"
+        # Measured as rel_err, plus an absolute slack of the dtype's smallest
+        # normal number per element: a true gradient below it (the query
+        # gradient of rows of 1e-30 with eps 1e-6 is ~1e-58) has no relative
+        # precision in that dtype.
+        tiny = torch.finfo(a.dtype).tiny
+        a, b = a[representable].double(), b[representable]
+        m = b.abs().max().item() if b.numel() else 1.0
+        m = m if 0 < m < float("inf") else 1.0
+        err, size = ((a - b) / m).norm().item(), (b / m).norm().item()
+        slack = tiny / m * b.numel() ** 0.5
+        assert err <= GRAD_REL_TOL[dtype] * size + slack, (
+            f"{what} grad {name}: {err / max(size, 1e-300):.3g} relative")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_gradients_near_the_dtype_limits_match_float64(dtype, with_gain):
+    """Rows anywhere in the dtype's range (RANGE_MAGNITUDES, the one-call
+    op's range test's), eps 1e-6 and 0: h and every gradient of a two-phase
+    block of reads match the float64 reference, as the one-call op's do
+    (rows whose backward sums or coefficients leave the accumulation
+    dtype's range are recomputed in a wider type, docs/design.md §8, §10)."""
+    gen = torch.Generator().manual_seed(12)
+    for mag in RANGE_MAGNITUDES[dtype]:
+        for n, s, lead, d in ((2, 2, (3,), 4), (4, 3, (2, 3), 33), (3, 4, (4,), 256)):
+            *sources, block_sum = extreme_sources(n + 1, lead, d, dtype, mag, "cpu", gen)
+            pd = param_dtype(dtype)
+            queries = (torch.randn(s, d, generator=gen, dtype=torch.float64) * 2 / d ** 0.5).to(pd)
+            gains = ((1 + 0.3 * torch.rand(s, d, generator=gen, dtype=torch.float64)).to(pd)
+                     if with_gain else None)
+            for eps in (1e-6, 0.0):
+                check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, eps=eps,
+                                            scale=0.9, seed=13,
+                                            what=f"{dtype} mag={mag:g} N={n} S={s} D={d} eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixed_magnitudes_and_saturated_weights_near_the_limits(dtype):
+    """Huge, normal and tiny rows in one token, among the completed sources
+    and as the block sum (the rescued and the plain path side by side); with
+    the larger queries the weights saturate on one row."""
+    gen = torch.Generator().manual_seed(14)
+    d = 64
+    for mags in ((1e38, 1.0, 1e-30), (3e19, 1e-20, 1e30, 1.0), (1.0, 1e-30, 1e38),
+                 (1e-30, 1e-30, 1e-30)):
+        *sources, block_sum = [
+            ((torch.rand(5, d, generator=gen, dtype=torch.float64) * 2 - 1) * m).to(dtype)
+            for m in mags]
+        for qscale in (0.0, 0.3, 3.0):
+            queries = (torch.randn(3, d, generator=gen, dtype=torch.float64) * qscale / d ** 0.5).float()
+            for eps in (1e-6, 0.0):
+                check_reads_near_the_limits(sources, block_sum, queries, None, dtype, eps=eps,
+                                            scale=1.0, seed=15,
+                                            what=f"{mags} q*{qscale} eps={eps}")
 
 
 def test_inplace_merge_equals_the_merge_and_refuses_gradients():
