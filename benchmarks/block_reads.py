@@ -20,6 +20,13 @@ torch.no_grad: standard residual, Full, Block with one-call reads and Block
 with block_reads="auto" and "two_phase" (each Block model runs once before
 timing, so its readers have learned their order).
 
+Part 3, training: the same reads with autograd (sources, queries and gains
+requiring grad; one forward and torch.autograd.grad of every read's output,
+one-call reads against block_reads + block_read_merge as DepthStream runs
+them under grad mode), and a training step (forward, loss.backward()) of
+the example GPT: standard residual, Block one-call, Block "auto" and
+"two_phase".
+
 Timing: the variants of one configuration run interleaved, one call each in
 turn, repeated; the median per variant is reported only as a ratio to the
 baseline measured in the same run (the VM is shared and noisy: absolute
@@ -128,6 +135,44 @@ class BlockReads:
         return out
 
 
+    def leaves(self):
+        """The reads' inputs as leaves that require grad (for part 3)."""
+        self.completed = [x.requires_grad_(True) for x in self.completed]
+        self.partial = {key: x.requires_grad_(True) for key, x in self.partial.items()}
+        self.queries.requires_grad_(True)
+        self.gains.requires_grad_(True)
+        return [*self.completed, *self.partial.values(), self.queries, self.gains]
+
+    def train_step(self, reads, grad_out, inputs):
+        """Every read's h (one_call or two_phase_train) and the gradients of
+        sum_l <grad_out, h_l> with respect to every input."""
+        hs = reads()  # the last block's sum, when complete, is read by no one
+        return torch.autograd.grad(hs, inputs, [grad_out] * len(hs), allow_unused=True)
+
+    def one_call_train(self):
+        hs = []
+        for l, (k, j) in enumerate(schedule(self.L, self.S)):
+            sources = self.completed[: k + 1]
+            if j > 0:
+                sources = [*sources, self.partial[(k, j)]]
+            hs.append(attnres.depth_attention(sources, self.queries[l], self.gains[l]))
+        return hs
+
+    def two_phase_train(self):
+        """As DepthStream reads under grad mode: the merge into a new tensor."""
+        hs = []
+        for l, (k, j) in enumerate(schedule(self.L, self.S)):
+            if j == 0:
+                last = min(self.L, (k + 1) * self.S)
+                partials, lse = attnres.block_reads(self.completed[: k + 1], self.queries[l:last],
+                                                    self.gains[l:last])
+                hs.append(partials[0])
+            else:
+                hs.append(attnres.block_read_merge(partials[j], lse[j], self.partial[(k, j)],
+                                                   self.queries[l], self.gains[l]))
+        return hs
+
+
 def interleaved(fns, repeats):
     """Median seconds of each function, run in turn `repeats` times (the
     order rotated each round, so no variant always runs first)."""
@@ -202,6 +247,71 @@ def part_gpt(n_layers, D, B, T, S, repeats, out):
     print("\n".join(out[-len(variants) - 4:]), flush=True)
 
 
+# ---- part 3: training ----------------------------------------------------------------
+
+
+def part_train_reads(T, D, repeats, configs, out):
+    out.append(f"\n## Training reads of a Block model: fp32, D = {D}, T = {T} tokens, forward + "
+               "backward\n")
+    out.append("The L reads with autograd: forward, then torch.autograd.grad of every read's "
+               "output with respect to the sources, partial sums, queries and gains; time as the "
+               "ratio of medians over interleaved runs.\n")
+    out.append("| L | S | time ratio fwd+bwd (two-phase / one-call) | one-call ms | two-phase ms | "
+               "max rel diff of the gradients |")
+    out.append("|---:|---:|---:|---:|---:|---:|")
+    for L, S in configs:
+        model = BlockReads(L, S, T, D)
+        inputs = model.leaves()
+        grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+        one = model.train_step(model.one_call_train, grad_out, inputs)
+        two = model.train_step(model.two_phase_train, grad_out, inputs)
+        diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(two, one) if b is not None)
+        del one, two
+        med = interleaved({"one": lambda: model.train_step(model.one_call_train, grad_out, inputs),
+                           "two": lambda: model.train_step(model.two_phase_train, grad_out, inputs)},
+                          repeats)
+        out.append(f"| {L} | {S} | {med['two'] / med['one']:.3f} | {1e3 * med['one']:.1f} | "
+                   f"{1e3 * med['two']:.1f} | {diff:.1e} |")
+        print(out[-1], flush=True)
+        del model, inputs
+
+
+def part_gpt_train(n_layers, D, B, T, S, repeats, out):
+    variants = {
+        "standard": dict(residual="standard"),
+        "block one-call": dict(residual="block", block_reads="one_call"),
+        "block auto": dict(residual="block", block_reads="auto"),
+        "block two-phase": dict(residual="block", block_reads="two_phase"),
+    }
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for name, kw in variants.items():
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
+                        n_heads=max(1, D // 64), block_size=S, **kw)
+        models[name] = GPT(cfg).train()
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        _, loss = m(idx, idx)
+        loss.backward()
+        return loss.detach()
+
+    losses = {name: step(m).item() for name, m in models.items()}  # Block: learns the order
+    med = interleaved({name: (lambda m=m: step(m)) for name, m in models.items()}, repeats)
+    out.append(f"\n## Example GPT training step (forward + backward): {n_layers} layers "
+               f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
+    out.append("| variant | time / standard | time / Block one-call | ms |")
+    out.append("|---|---:|---:|---:|")
+    for name in variants:
+        out.append(f"| {name} | {med[name] / med['standard']:.3f} | "
+                   f"{med[name] / med['block one-call']:.3f} | {1e3 * med[name]:.0f} |")
+    out.append(f"\nFirst-step loss: Block one-call {losses['block one-call']:.6f}, auto "
+               f"{losses['block auto']:.6f}, two-phase {losses['block two-phase']:.6f}; "
+               f"{repeats} interleaved repeats, medians.")
+    print("\n".join(out[-len(variants) - 4:]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (dry run)")
@@ -219,6 +329,13 @@ def main():
         part_gpt(2, 64, 2, 32, 2, repeats, out)
     else:
         part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
+    if args.quick:
+        part_train_reads(T, 1024, repeats, [(12, 4)], out)
+        part_gpt_train(2, 64, 2, 32, 2, repeats, out)
+    else:
+        part_train_reads(T, 1024, repeats, [(12, 2), (12, 4), (32, 2), (32, 4), (32, 8), (64, 2),
+                                             (64, 4)], out)
+        part_gpt_train(16, 512, 4, 256, 4, 2 * repeats + 1, out)
     load_after = os.getloadavg()
     out.append(f"\nLoad average (1, 5, 15 min) at the start: "
                f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "

@@ -51,9 +51,10 @@ struct BlockReadState {
 namespace {
 
 // "auto" reads two-phase from this many completed sources on (below, the
-// two-phase ops move as many bytes or more: docs/design.md §10), and only
-// where autograd does not record: the two-phase backward kernels do not yet
-// recompute rows near the dtype's limits in a wider type (§8).
+// two-phase ops move as many bytes or more: docs/design.md §10), training
+// included, except for bf16/fp16 streams under grad mode: their merge
+// backward takes <dh, P - y> from the partial output rounded to 8/11 bits,
+// which the one-call backward avoids for them (§8, §10).
 constexpr int64_t kAutoMinCompleted = 3;
 
 // Python's name of a dtype ("torch.float32"), so the messages read alike.
@@ -121,7 +122,8 @@ bool DepthStream::two_phase(int64_t num_completed) const {
   const auto t = embedding_.scalar_type();
   if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
   if (block_reads_ == BlockReads::kTwoPhase) return true;
-  return num_completed >= kAutoMinCompleted && !at::GradMode::is_enabled();
+  if (at::GradMode::is_enabled() && (t == at::kBFloat16 || t == at::kHalf)) return false;
+  return num_completed >= kAutoMinCompleted;
 }
 
 at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {

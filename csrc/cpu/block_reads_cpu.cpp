@@ -3,8 +3,9 @@
 // readers of a block (a score sweep, then a weighted-sum sweep of the
 // token's rows from L2); phase 2 merges one reader's partial state with the
 // partial block sum. Built with the vector ISA flags (CMakeLists.txt); the per-token math
-// (OnlineSoftmax, scores, gradient coefficients, range rescue) is
-// attnres/depth_math.h, the same as the one-call kernels'. Tokens run in
+// (OnlineSoftmax, scores, gradient coefficients, range rescue, the rare
+// backward rows recomputed in math::WideType) is attnres/depth_math.h, the
+// same as the one-call kernels'. Tokens run in
 // parallel with at::parallel_for; all accumulation is in fp32 (fp64 for
 // fp64 sources).
 #include "block_reads_cpu.h"
@@ -324,6 +325,71 @@ void row_block_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* const* 
   }
 }
 
+// The phase-1 backward of one token in math::WideType (double for fp32
+// accumulation, long double for fp64), all readers at once: the rare tokens
+// whose rows are near the dtype's limits (math::backward_row_is_rare), as
+// the one-call backward's backward_token_wide. Scalar and slow, but the
+// products <dy, v>, <u, v> and r^2 of any finite inputs fit in it. dv and
+// the token's z terms are written as in the fast path (dv rounded once to
+// the accumulation type, then to scalar_t).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void block_reads_token_wide(const std::vector<RowsOf<scalar_t>>& src, int64_t t, int64_t T,
+                            int64_t N, int64_t S, int64_t D, const acc_t* const* dy,
+                            const acc_t* const* u, const acc_t* rstd_p, const acc_t* w_p,
+                            const acc_t* dlse_p, const std::vector<scalar_t*>& dv_p, acc_t* z) {
+  using W = typename math::WideType<acc_t>::type;
+  std::vector<W> dp(S * N), su(S * N), a(N * S), alpha(N * S), beta(N, W(0));
+  for (int64_t i = 0; i < N; ++i) {
+    const scalar_t* v = src[i].row(t);
+    const W r = static_cast<W>(rstd_p[i * T + t]);
+    for (int64_t s = 0; s < S; ++s) {
+      W dot_dy = 0, dot_u = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const W vd = static_cast<W>(static_cast<acc_t>(v[d]));
+        if (dy) dot_dy += static_cast<W>(dy[s][d]) * vd;
+        dot_u += static_cast<W>(u[s][d]) * vd;
+      }
+      dp[s * N + i] = dot_dy;
+      su[s * N + i] = math::score(r, dot_u);
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
+    math::Pivot<acc_t> pivot;  // on the acc_t weights, as the fast path
+    for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
+    const int64_t piv = pivot.pivoted() ? pivot.index : -1;
+    const W dp_piv = piv >= 0 ? dp[s * N + piv] : W(0);
+    W sum_rel = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      if (j != piv) sum_rel += static_cast<W>(weight(j)) * (dp[s * N + j] - dp_piv);
+    }
+    if (dlse_p) sum_rel -= static_cast<W>(dlse_p[s * T + t]);
+    for (int64_t i = 0; i < N; ++i) {
+      const auto g = math::source_grad_coefficients<W>(
+          static_cast<W>(weight(i)), static_cast<W>(rstd_p[i * T + t]), su[s * N + i],
+          dp[s * N + i] - dp_piv, sum_rel, D);
+      a[i * S + s] = g.a;
+      alpha[i * S + s] = g.alpha;
+      beta[i] += g.beta;
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    scalar_t* dv = dv_p[i] ? dv_p[i] + t * D : nullptr;
+    if (!dv && !z) continue;
+    const scalar_t* v = src[i].row(t);
+    for (int64_t d = 0; d < D; ++d) {
+      const W vd = static_cast<W>(static_cast<acc_t>(v[d]));
+      W g = beta[i] * vd;
+      for (int64_t s = 0; s < S; ++s) {
+        if (dy) g += a[i * S + s] * static_cast<W>(dy[s][d]);
+        g += alpha[i * S + s] * static_cast<W>(u[s][d]);
+        if (z) z[s * D + d] += static_cast<acc_t>(alpha[i * S + s] * vd);
+      }
+      if (dv) dv[d] = static_cast<scalar_t>(static_cast<acc_t>(g));
+    }
+  }
+}
+
 template <typename scalar_t>
 void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -379,8 +445,11 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
           }
         }
         // Per reader: ds_{s,i} = a (dp_i - sum_j a_j dp_j + dlse), the sum
-        // pivoted when one weight dominates (depth_math.h).
+        // pivoted when one weight dominates (depth_math.h). A token with a
+        // rare row (sums or coefficients out of the accumulation dtype's
+        // range) is recomputed in the wide type instead of sweep 2.
         std::fill(coef_beta.begin(), coef_beta.end(), acc_t(0));
+        bool rare = false;
         for (int64_t s = 0; s < S; ++s) {
           auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
           math::Pivot<acc_t> pivot;
@@ -393,12 +462,22 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
           }
           if (dlse_p) sum_rel -= dlse_p[s * T + t];
           for (int64_t i = 0; i < N; ++i) {
-            const auto g = math::source_grad_coefficients(
-                weight(i), rstd_p[i * T + t], su[s * N + i], dp[s * N + i] - dp_piv, sum_rel, D);
+            const acc_t a = weight(i), r = rstd_p[i * T + t], dp_rel = dp[s * N + i] - dp_piv;
+            const auto g = math::source_grad_coefficients(a, r, su[s * N + i], dp_rel, sum_rel, D);
+            rare = rare || math::backward_row_is_rare(a, r, su[s * N + i], dp_rel, sum_rel, g);
             coef_a[i * S + s] = g.a;
             coef_alpha[i * S + s] = g.alpha;
             coef_beta[i] += g.beta;
           }
+        }
+        // The readers' betas summed past the range (each one in it).
+        for (int64_t i = 0; i < N && !rare; ++i) {
+          rare = math::abs_acc(coef_beta[i]) > math::RangeConstants<acc_t>::kMax;
+        }
+        if (rare) {
+          block_reads_token_wide(src, t, T, N, S, D, has_dy ? dy_rows.data() : nullptr,
+                                 u_rows.data(), rstd_p, w_p, dlse_p, dv_p, z);
+          continue;
         }
         // Sweep 2 (from cache): each wanted source gradient written once,
         // every reader's term summed in registers; z_s.
@@ -462,6 +541,33 @@ void merge_forward_impl(const MergeForwardCall& call) {
   });
 }
 
+// The phase-2 backward of one token in math::WideType: the rare tokens
+// (math::backward_row_is_rare), as block_reads_token_wide.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void merge_token_wide(const scalar_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
+                      acc_t a_acc, acc_t r_acc, int64_t D, scalar_t* dy, acc_t* dlse,
+                      scalar_t* dP, acc_t* z) {
+  using W = typename math::WideType<acc_t>::type;
+  auto wide = [](scalar_t x) { return static_cast<W>(static_cast<acc_t>(x)); };
+  W cdot = 0, udot = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    cdot += wide(dh[d]) * (wide(P[d]) - wide(y[d]));
+    udot += static_cast<W>(u[d]) * wide(P[d]);
+  }
+  const W a = a_acc, r = r_acc, keep = W(1) - a;
+  const auto g = math::source_grad_coefficients<W>(a, r, math::score(r, udot), keep * cdot, W(0), D);
+  if (dlse) *dlse = static_cast<acc_t>(-(a * (keep * cdot)));
+  for (int64_t d = 0; d < D; ++d) {
+    const W hd = wide(dh[d]), pd = wide(P[d]);
+    if (dy) dy[d] = static_cast<scalar_t>(static_cast<acc_t>(keep * hd));
+    if (dP) {
+      dP[d] = static_cast<scalar_t>(
+          static_cast<acc_t>(math::source_grad(g.a, hd, g.alpha, static_cast<W>(u[d]), g.beta, pd)));
+    }
+    if (z) z[d] += static_cast<acc_t>(g.alpha * pd);
+  }
+}
+
 template <typename scalar_t>
 void merge_backward_impl(const MergeBackwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -510,14 +616,18 @@ void merge_backward_impl(const MergeBackwardCall& call) {
         }
         const acc_t a = w_p[t], r = rstd_p[t];
         // ds = a (1 - a) c = a (dp_P - <dh, h>) (docs/design.md §10).
-        const auto g = math::source_grad_coefficients(a, r, math::score(r, udot),
-                                                      (acc_t(1) - a) * cdot, acc_t(0), D);
-        if (dlse_p) dlse_p[t] = -(a * ((acc_t(1) - a) * cdot));
+        const acc_t s = math::score(r, udot), dp_rel = (acc_t(1) - a) * cdot;
+        const auto g = math::source_grad_coefficients(a, r, s, dp_rel, acc_t(0), D);
+        scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
+        scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
+        if (math::backward_row_is_rare(a, r, s, dp_rel, acc_t(0), g)) {
+          merge_token_wide(dh, y, P, u, a, r, D, dy, dlse_p ? dlse_p + t : nullptr, dP, z);
+          continue;
+        }
+        if (dlse_p) dlse_p[t] = -(a * dp_rel);
         if (!dy_p && !dP_p && !z) continue;
         // Sweep 2 (from L1): dy = (1 - a) dh, dP = a dh + alpha u + beta P, z.
         const AVec keep(acc_t(1) - a), va(g.a), valpha(g.alpha), vbeta(g.beta);
-        scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
-        scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
         j = 0;
         for (; j + L::kStep <= D; j += L::kStep) {
           AVec hv[L::kParts], pv[L::kParts], o1[L::kParts], o2[L::kParts];

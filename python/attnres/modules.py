@@ -24,12 +24,12 @@ from .ops import block_read_merge, block_read_merge_inplace, block_reads, depth_
 _BLOCK_READS = ("auto", "two_phase", "one_call")
 # "auto" uses two-phase reads for a block from this many completed sources on:
 # below it they move as many bytes (n = 2) or more (n = 1) than one-call
-# reads (docs/design.md §10). And only where autograd does not record: the
-# two-phase backward kernels do not yet recompute rows near the dtype's
-# limits in a wider type, as the one-call backward does (§8), so training
-# reads stay one-call under "auto" until they do.
+# reads (docs/design.md §10). Training included, except for bf16/fp16 streams:
+# their merge backward takes <dh, P - y> from the partial output rounded to
+# 8/11 bits, which the one-call backward avoids for them (§8, §10).
 _AUTO_MIN_COMPLETED = 3
 _OUT_NORMS = (None, "rmsnorm")
+_AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -195,7 +195,9 @@ class DepthStream:
             return False  # CUDA: one-call reads until its two-phase kernels land
         if self.block_reads == "two_phase":
             return True
-        return num_completed >= _AUTO_MIN_COMPLETED and not torch.is_grad_enabled()
+        if torch.is_grad_enabled() and self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:
+            return False
+        return num_completed >= _AUTO_MIN_COMPLETED
 
     def _read(self, reader: "AttnResResidual") -> torch.Tensor:
         """h for ``reader`` (docs/design.md §10): phase 1 at the first read of

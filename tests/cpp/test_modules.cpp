@@ -743,20 +743,41 @@ TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
       "block_read_merge_inplace has no derivative");
 }
 
-// kAuto keeps the reads autograd records one-call (the two-phase backward
-// lacks the wide-type recomputation of rows near the dtype's limits);
-// kTwoPhase merges them.
-TEST(TwoPhaseBlockReads, AutoKeepsTrainingReadsOneCall) {
+// kAuto reads two-phase from the third completed source on, the reads
+// autograd records too (fp64 here); a bf16 stream keeps those one-call (its
+// merge backward would take <dh, P - y> from a partial output rounded to
+// 8 bits, docs/design.md §10).
+TEST(TwoPhaseBlockReads, AutoMergesTrainingReadsFromTheThirdCompletedSource) {
   at::manual_seed(6);
   TinyNet net(2);
   ASSERT_EQ(net->block_reads, attnres::BlockReads::kAuto);
   const at::Tensor emb = at::randn({3, 5, kD}, at::kDouble).requires_grad_(true);
-  const at::Tensor first = net(emb);  // learns the reader order
+  const at::Tensor grad_out = at::randn({3, 5, kD}, at::kDouble);
+  Tensors inputs = {emb};
+  for (const auto& p : net->parameters()) inputs.push_back(p);
+  net->block_reads = attnres::BlockReads::kOneCall;
+  const at::Tensor want = net(emb);  // learns the reader order
+  const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
+  net->block_reads = attnres::BlockReads::kAuto;
+  // The final read, position 1 of the block with 4 completed sources, merges.
   const at::Tensor got = net(emb);
-  EXPECT_THAT(got.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
-  EXPECT_TRUE(at::equal(got, first));
+  EXPECT_THAT(got.grad_fn()->name(), HasSubstr("MergeFunction"));
+  const Tensors got_grads = torch::autograd::grad({got}, inputs, {grad_out});
+  expect_close(got, want, kOutputTol, "output");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!want_grads[i].defined() || want_grads[i].count_nonzero().item<int64_t>() == 0) continue;
+    expect_close(got_grads[i], want_grads[i], kGradTol, "gradient of input " + std::to_string(i));
+  }
+  // S = 4: the final read's block has 2 completed sources, so it reads one-call.
+  TinyNet four(4);
+  four(emb);
+  EXPECT_THAT(four(emb).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+  // A bf16 stream: one-call under grad mode, two-phase with kTwoPhase.
+  net->to(at::kBFloat16);
+  const at::Tensor emb16 = emb.detach().to(at::kBFloat16).requires_grad_(true);
+  EXPECT_THAT(net(emb16).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
   net->block_reads = attnres::BlockReads::kTwoPhase;
-  EXPECT_THAT(net(emb).grad_fn()->name(), HasSubstr("MergeFunction"));
+  EXPECT_THAT(net(emb16).grad_fn()->name(), HasSubstr("MergeFunction"));
 }
 
 TEST(TwoPhaseBlockReads, StreamReportsItsMode) {

@@ -224,6 +224,28 @@ def make_params(d, dtype, device, gen, requires_grad=False):
     )
 
 
+# Magnitudes of the range tests (docs/design.md §8), up to the dtype's
+# maximum: 1e19-3e19 is where fp32 sums of squares start to overflow, the
+# tiny ones where they underflow.
+RANGE_MAGNITUDES = {
+    torch.float32: [1e-30, 1e-20, 3e19, 1e25, 1e30, 1e37, 0.9 * torch.finfo(torch.float32).max],
+    torch.bfloat16: [1e-30, 3e19, 1e30, 1e37, 0.9 * torch.finfo(torch.bfloat16).max],
+    torch.float16: [1e-4, 1e2, 3e4, 0.9 * torch.finfo(torch.float16).max],
+    torch.float64: [1e-300, 1e-160, 1e160, 1e200, 1e300, 0.9 * torch.finfo(torch.float64).max],
+}
+
+
+def extreme_sources(n, lead, d, dtype, mag, device, gen, spread=True) -> List[torch.Tensor]:
+    """n sources uniform in [-1, 1] times mag (no value beyond it), with
+    per-source factors (spread) so that the weights are not uniform."""
+    out = []
+    for i in range(n):
+        f = (0.3 + 0.7 * (i + 1) / n) if spread else 1.0
+        x = (torch.rand(*lead, d, generator=gen, dtype=torch.float64) * 2 - 1) * (mag * f)
+        out.append(x.to(dtype).to(device))
+    return out
+
+
 def fp64_leaf(t: torch.Tensor) -> torch.Tensor:
     """A float64 CPU copy of ``t`` that requires grad."""
     return t.detach().double().cpu().requires_grad_(True)

@@ -275,5 +275,6 @@ def test_block_reads_benchmark_quick():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 9
-    assert "block two-phase" in proc.stdout
+    # Part 1's nine (L, S) rows and part 3's one training row (L = 12, S = 4).
+    assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 10
+    assert "block two-phase" in proc.stdout and "training step" in proc.stdout

@@ -11,11 +11,14 @@ import attnres.modules as modules_mod
 from attnres import reference
 from attnres.models import GPT, GPTConfig
 
+from float64_reference import depth_attention_ref, rel_err
 from helpers import (
     GRAD_REL_TOL,
+    RANGE_MAGNITUDES,
     REL_TOL,
     STAT_REL_TOL,
     assert_rel_close,
+    extreme_sources,
     param_dtype,
     randomize_reads,
 )
@@ -181,8 +184,15 @@ def test_strided_inputs_used_as_given():
                                                    gains[1]))
 
 
-def test_parameter_gradients_deterministic_across_threads():
+@pytest.mark.parametrize("rare_rows", [False, True])
+def test_parameter_gradients_deterministic_across_threads(rare_rows):
     sources, block_sum, queries, gains = problem(4, 3, (300,), 64, torch.float32, seed=6)
+    if rare_rows:  # every 7th token near the maximum: recomputed in the wide type
+        big = torch.finfo(torch.float32).max / 4
+        sources = [x.clone() for x in sources]
+        block_sum = block_sum.clone()
+        for x in [*sources, block_sum]:
+            x[::7] = torch.rand(x[::7].shape, generator=torch.Generator().manual_seed(8)) * big
     g = torch.Generator().manual_seed(7)
     dh = [torch.randn(300, 64, generator=g, dtype=torch.float64) for _ in range(3)]
     results = []
@@ -335,36 +345,45 @@ def test_stream_two_phase_equals_one_call(dtype, L, S, monkeypatch):
         assert_rel_close(a, b, GRAD_REL_TOL[dtype], f"grad {i}")
 
 
-def test_auto_uses_two_phase_from_the_third_completed_source(monkeypatch):
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+def test_auto_uses_two_phase_from_the_third_completed_source(grad, monkeypatch):
+    """Under "auto" the reads of blocks with n >= 3 completed sources are
+    two-phase, also those autograd records (with the one-call gradients)."""
     D, L, S = 16, 8, 2
     readers, weights = make_stack(L, D, torch.float32)
-    emb = torch.randn(4, D)
-    with torch.no_grad():
-        want = run_stack(readers, weights, emb, S, "one_call")
-        run_stack(readers, weights, emb, S, "auto")
+    emb = torch.randn(4, D, requires_grad=grad)
+    params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
+    with torch.set_grad_enabled(grad):
+        want = run_stack(readers, weights, emb, S, "one_call")  # also learns the order
         counts = CountingOps(monkeypatch)
         got = run_stack(readers, weights, emb, S, "auto")
     # Blocks with n = 1, 2 completed sources read one-call; blocks 3..5 two-phase.
     assert counts.phase1 == 3 and counts.merge == 2
     assert_rel_close(got, want, REL_TOL[torch.float32])
+    if grad:
+        want_grads = torch.autograd.grad(want.pow(2).sum(), params)
+        got_grads = torch.autograd.grad(got.pow(2).sum(), params)
+        for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+            assert_rel_close(a, b, GRAD_REL_TOL[torch.float32], f"grad {i}")
 
 
-def test_auto_keeps_the_reads_autograd_records_one_call(monkeypatch):
-    """Under "auto", reads that autograd records stay one-call (the two-phase
-    backward lacks the wide-type recomputation of rows near the dtype's
-    limits); without grad mode the same stream reads two-phase."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_auto_keeps_bf16_and_fp16_training_reads_one_call(dtype, monkeypatch):
+    """Their merge backward would take <dh, P - y> from the partial output
+    rounded to 8/11 bits (docs/design.md §10); inference reads are
+    two-phase, and "two_phase" forces training reads."""
     D, L, S = 16, 8, 2
-    readers, weights = make_stack(L, D, torch.float32)
-    emb = torch.randn(4, D, requires_grad=True)
-    want = run_stack(readers, weights, emb, S, "one_call")
-    run_stack(readers, weights, emb, S, "auto")  # the order is learned either way
+    readers, weights = make_stack(L, D, dtype)
+    emb = torch.randn(4, D).to(dtype).requires_grad_(True)
+    run_stack(readers, weights, emb, S, "auto")  # learns the order
     counts = CountingOps(monkeypatch)
-    got = run_stack(readers, weights, emb, S, "auto")
+    run_stack(readers, weights, emb, S, "auto")
     assert counts.phase1 == 0 and counts.merge == 0
-    assert torch.equal(got, want)
     with torch.no_grad():
         run_stack(readers, weights, emb, S, "auto")
     assert counts.phase1 == 3 and counts.merge == 2
+    run_stack(readers, weights, emb, S, "two_phase")
+    assert counts.phase1 == 3 + 5 and counts.merge == 2 + 4
 
 
 def test_reordered_readers_fall_back_and_relearn(monkeypatch):
@@ -427,6 +446,32 @@ def test_checkpointed_gpt_two_phase_matches_one_call(monkeypatch):
         assert_rel_close(got[name], want[name], 1e-4, name)
 
 
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["plain", "checkpointed"])
+def test_block_gpt_trains_alike_under_auto_and_one_call(checkpoint_blocks, monkeypatch):
+    """AdamW steps of a Block GPT (4 layers, S = 2: the reads of blocks 3 and
+    4 are two-phase under "auto"): the loss trajectory of "one_call"."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 32, (4, 8), generator=gen) for _ in range(8)]
+    losses, merges = {}, {}
+    for mode in ("one_call", "auto"):
+        model = gpt(mode, checkpoint_blocks=checkpoint_blocks)
+        opt = torch.optim.AdamW(attnres.param_groups(model, lr=3e-3, weight_decay=0.1),
+                                betas=(0.9, 0.95))
+        counts = CountingOps(monkeypatch)
+        losses[mode] = []
+        for idx in batches:
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            losses[mode].append(loss.item())
+        merges[mode] = counts.merge
+    assert merges["one_call"] == 0 and merges["auto"] > 0
+    torch.testing.assert_close(torch.tensor(losses["auto"]), torch.tensor(losses["one_call"]),
+                               rtol=1e-5, atol=0)
+    assert losses["auto"][-1] < losses["auto"][0]
+
+
 def test_compiled_block_gpt_two_phase_matches_one_call(monkeypatch):
     torch._dynamo.reset()
     idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -473,6 +518,279 @@ def test_rows_near_the_float32_limits_are_rescued(magnitude):
     h = attnres.block_read_merge(partial_outs[1], lse[1], block_sum, queries[1], gains[1], eps=0.0)
     h_ref, _ = ref_read([*sources, block_sum], queries[1], gains[1], eps=0.0)
     assert_rel_close(h, h_ref, REL_TOL[torch.float32], "merged")
+
+
+# ---- rows near the dtype's limits (docs/design.md §8, §10) ----------------------------
+# The one-call op's range test (test_reliability.py, _check_against_ref) for the two-phase
+# ops: finite inputs anywhere in the dtype's range, ground truth
+# tests/python/float64_reference.py (right for any finite input).
+
+
+def assert_grad_close(a, b, dtype, what, terms=()):
+    """Gradient a (ours) against b (float64), where the true gradient and
+    every term autograd sums into it (terms: one per read) are representable
+    in a's dtype (below half its maximum: within the tolerance of the
+    maximum, an accurate result may round to inf): finite there, and rel_err
+    within the dtype's gradient tolerance plus a slack of the dtype's
+    smallest normal number per element (a true gradient below it, e.g. the
+    query gradient of rows of 1e-30 with eps 1e-6, ~1e-58, has no relative
+    precision in that dtype)."""
+    limit, tiny = torch.finfo(a.dtype).max / 2, torch.finfo(a.dtype).tiny
+    representable = b.abs() <= limit
+    for term in terms:
+        representable &= term.abs() <= limit
+    assert torch.isfinite(a[representable]).all(), f"{what} not finite"
+    a, b = a[representable].double(), b[representable]
+    m = b.abs().max().item() if b.numel() else 1.0
+    m = m if 0 < m < float("inf") else 1.0
+    err, size = ((a - b) / m).norm().item(), (b / m).norm().item()
+    slack = tiny / m * b.numel() ** 0.5
+    assert err <= GRAD_REL_TOL[dtype] * size + slack, f"{what}: {err / max(size, 1e-300):.3g}"
+
+
+def parameter_grad_near_its_maximum(b, like):
+    """Query/gain gradients near the maximum are not checked: their
+    per-token terms may exceed it although the sum does not (§8's limit)."""
+    return bool((b.abs() > torch.finfo(like.dtype).max / 8).any())
+
+
+def leaves_of(*tensors):
+    return [None if x is None else x.detach().clone().requires_grad_(True) for x in tensors]
+
+
+def check_phase_one_near_the_limits(sources, queries, gains, dtype, *, eps, scale, gen, what):
+    """block_reads alone: partial_outs, lse and the gradients of the
+    sources, queries and gains for random dy and dlse."""
+    S, n = queries.shape[0], len(sources)
+    dy = [torch.randn(sources[0].shape, generator=gen, dtype=torch.float64).to(dtype)
+          for _ in range(S)]
+    dlse = torch.randn(S, *sources[0].shape[:-1], generator=gen, dtype=torch.float64)
+    *srcs, q, g = leaves_of(*sources, queries, gains)
+    wrt = [*srcs, q] + ([] if g is None else [g])
+    partial_outs, lse = attnres.block_reads(srcs, q, g, eps=eps, scale=scale)
+    grads = torch.autograd.grad([*partial_outs, lse], wrt, [*dy, dlse.to(lse.dtype)])
+
+    ref = [x.detach().double().requires_grad_(True) for x in wrt]
+    ref_g = ref[n + 1] if g is not None else None
+    ref_out, ref_lse = [], []
+    for r in range(S):
+        h, _, scores, _ = depth_attention_ref(ref[:n], ref[n][r], None if ref_g is None else ref_g[r],
+                                              eps=eps, scale=scale, return_parts=True)
+        ref_out.append(h)
+        ref_lse.append(torch.logsumexp(scores, 0))
+    ref_grads = torch.autograd.grad([*ref_out, *ref_lse], ref,
+                                    [*(x.double() for x in dy), *dlse])
+    for r in range(S):
+        assert torch.isfinite(partial_outs[r]).all(), f"{what} partial_outs[{r}] not finite"
+        err = rel_err(partial_outs[r], ref_out[r])
+        assert err <= REL_TOL[dtype], f"{what} partial_outs[{r}]: {err:.3g}"
+    err = rel_err(lse, torch.stack(ref_lse))
+    assert err <= STAT_REL_TOL[dtype], f"{what} lse: {err:.3g}"
+    names = [f"sources[{i}]" for i in range(n)] + ["queries", "norm_weights"]
+    for name, a, b in zip(names, grads, ref_grads):
+        if name in ("queries", "norm_weights") and parameter_grad_near_its_maximum(b, a):
+            continue
+        assert_grad_close(a, b, dtype, f"{what} grad {name}")
+
+
+def check_merge_near_the_limits(partial_out, lse, block_sum, query, gain, dtype, *, eps, scale,
+                                gen, what):
+    """block_read_merge alone: h and the gradients of partial_out, lse,
+    block_sum, query and gain, against h = (1 - a) y + a P with
+    a = sigmoid(s_P - lse) in float64 (s_P from the reference)."""
+    dh = torch.randn(block_sum.shape, generator=gen, dtype=torch.float64).to(dtype)
+    y, l, P, q, g = leaves_of(partial_out, lse, block_sum, query, gain)
+    wrt = [y, l, P, q] + ([] if g is None else [g])
+    h = attnres.block_read_merge(y, l, P, q, g, eps=eps, scale=scale)
+    grads = torch.autograd.grad(h, wrt, dh)
+
+    ref = [x.detach().double().requires_grad_(True) for x in wrt]
+    ry, rl, rP, rq = ref[:4]
+    _, _, s_P, _ = depth_attention_ref([rP], rq, ref[4] if g is not None else None, eps=eps,
+                                       scale=scale, return_parts=True)
+    a = torch.sigmoid(s_P[0] - rl).unsqueeze(-1)
+    ref_h = (1 - a) * ry + a * rP
+    ref_grads = torch.autograd.grad(ref_h, ref, dh.double())
+    assert torch.isfinite(h).all(), f"{what} h not finite"
+    err = rel_err(h, ref_h)
+    assert err <= REL_TOL[dtype], f"{what} h: {err:.3g}"
+    # The float64 evaluation of the reference's own backward overflows for
+    # float64 rows near 1e308 (NaN there): such entries are not representable
+    # and are left out by assert_grad_close.
+    for name, a_, b in zip(["partial_out", "lse", "block_sum", "query", "norm_weight"], grads,
+                           ref_grads):
+        if name in ("query", "norm_weight") and parameter_grad_near_its_maximum(b, a_):
+            continue
+        assert_grad_close(a_, b, dtype, f"{what} grad {name}")
+
+
+def lse_gradient(h_ref, y_ref, a_P, block_sum, dh):
+    """The true gradient that block_read_merge sends to lse,
+    -a_P (1 - a_P) <dh, P - y>, in float64 without overflow on the way
+    (inf where it exceeds float64)."""
+    half = block_sum.double() / 2 - y_ref / 2
+    m = half.abs().amax(-1).clamp_min(1e-300)
+    dot = (dh.double() * (half / m.unsqueeze(-1))).sum(-1)
+    return -(a_P * (1 - a_P)) * dot * m * 2
+
+
+def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, eps, scale, seed,
+                                what):
+    """A block's S reads chained as DepthStream runs them (reader 0 from
+    phase 1 alone, the others merged with block_sum): h and the gradients of
+    the sources, block_sum, queries and gains for random dh of every reader,
+    against one float64 read per reader. Each read's own gradient term must
+    be representable (autograd sums them in the dtype, as for one-call
+    reads). The limit of the chain (docs/design.md §10): the gradient the
+    merge sends to lse, -a_P (1 - a_P) <dh, P - y>, is a tensor of the
+    accumulation dtype; where its true value is beyond that dtype's maximum,
+    the phase-1 gradients of that token and reader are not finite (checked),
+    never finite and wrong."""
+    S, n = queries.shape[0], len(sources)
+    gen = torch.Generator().manual_seed(seed)
+    dh = [torch.randn(block_sum.shape, generator=gen, dtype=torch.float64).to(dtype)
+          for _ in range(S)]
+    *srcs, P, q, g = leaves_of(*sources, block_sum, queries, gains)
+    wrt = [*srcs, P, q] + ([] if g is None else [g])
+    partial_outs, lse = attnres.block_reads(srcs, q, g, eps=eps, scale=scale)
+    hs = [partial_outs[0]] + [
+        attnres.block_read_merge(partial_outs[r], lse[r], P, q[r], None if g is None else g[r],
+                                 eps=eps, scale=scale)
+        for r in range(1, S)]
+    grads = torch.autograd.grad(hs, wrt, dh)
+
+    ref = [x.detach().double().requires_grad_(True) for x in wrt]
+    ref_g = ref[n + 2] if g is not None else None
+    ref_hs, terms = [], []
+    acc_max = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    beyond = torch.zeros(S, *block_sum.shape[:-1], dtype=torch.bool)
+    for r in range(S):
+        gain_r = None if ref_g is None else ref_g[r]
+        h, w = depth_attention_ref(ref[:n] + ([ref[n]] if r > 0 else []), ref[n + 1][r], gain_r,
+                                   eps=eps, scale=scale)
+        ref_hs.append(h)
+        term = torch.autograd.grad(h, ref, dh[r].double(), retain_graph=True, allow_unused=True)
+        terms.append([torch.zeros_like(x) if t is None else t for x, t in zip(ref, term)])
+        if r > 0:
+            with torch.no_grad():
+                y_ref, _ = depth_attention_ref(ref[:n], ref[n + 1][r], gain_r, eps=eps, scale=scale)
+                dlse = lse_gradient(h, y_ref, w[-1], block_sum, dh[r])
+            beyond[r] = ~(dlse.abs() <= acc_max)
+    ref_grads = [sum(t[k] for t in terms) for k in range(len(ref))]
+    for r in range(S):
+        assert torch.isfinite(hs[r]).all(), f"{what} h[{r}] not finite"
+        err = rel_err(hs[r], ref_hs[r])
+        assert err <= REL_TOL[dtype], f"{what} h[{r}]: {err:.3g}"
+    tokens_beyond = beyond.any(0)
+    for i in range(n):
+        a, b = grads[i], ref_grads[i]
+        assert not torch.isfinite(a[tokens_beyond]).all(dim=-1).any(), (
+            f"{what} grad sources[{i}] finite where the lse gradient is beyond the maximum")
+        assert_grad_close(a[~tokens_beyond], b[~tokens_beyond], dtype, f"{what} grad sources[{i}]",
+                          [t[i][~tokens_beyond] for t in terms])
+    assert_grad_close(grads[n], ref_grads[n], dtype, f"{what} grad block_sum", [t[n] for t in terms])
+    for k, name in ((n + 1, "queries"), (n + 2, "norm_weights")):
+        if k >= len(ref):
+            continue
+        for r in range(S):
+            if beyond[r].any() or parameter_grad_near_its_maximum(ref_grads[k][r], grads[k]):
+                continue
+            assert_grad_close(grads[k][r], ref_grads[k][r], dtype, f"{what} grad {name}[{r}]",
+                              [t[k][r] for t in terms])
+
+
+RANGE_SHAPES = ((2, 2, (3,), 4), (4, 3, (2, 3), 33), (3, 4, (4,), 256))  # N, S, lead, D
+
+
+def range_problems(dtype, with_gain, seed):
+    """(magnitude, sources, block_sum, queries, gains) over RANGE_MAGNITUDES
+    and RANGE_SHAPES."""
+    gen = torch.Generator().manual_seed(seed)
+    pd = param_dtype(dtype)
+    for mag in RANGE_MAGNITUDES[dtype]:
+        for n, s, lead, d in RANGE_SHAPES:
+            *sources, block_sum = extreme_sources(n + 1, lead, d, dtype, mag, "cpu", gen)
+            queries = (torch.randn(s, d, generator=gen, dtype=torch.float64) * 2 / d ** 0.5).to(pd)
+            gains = ((1 + 0.3 * torch.rand(s, d, generator=gen, dtype=torch.float64)).to(pd)
+                     if with_gain else None)
+            yield mag, sources, block_sum, queries, gains
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_block_reads_gradients_near_the_dtype_limits(dtype, with_gain):
+    """Phase 1 alone, rows anywhere in the dtype's range (RANGE_MAGNITUDES,
+    the one-call op's range test's), eps 1e-6 and 0: the rows whose backward
+    sums or coefficients leave the accumulation dtype's range are recomputed
+    in a wider type (docs/design.md §8, §10)."""
+    gen = torch.Generator().manual_seed(16)
+    for mag, sources, _, queries, gains in range_problems(dtype, with_gain, seed=12):
+        for eps in (1e-6, 0.0):
+            check_phase_one_near_the_limits(
+                sources, queries, gains, dtype, eps=eps, scale=0.9, gen=gen,
+                what=f"{dtype} mag={mag:g} N={len(sources)} S={len(queries)} "
+                     f"D={queries.shape[1]} eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_block_read_merge_gradients_near_the_dtype_limits(dtype, with_gain):
+    """Phase 2 alone: a partial output and a block sum anywhere in the
+    dtype's range (the partial output from phase 1 over the same rows)."""
+    gen = torch.Generator().manual_seed(17)
+    for mag, sources, block_sum, queries, gains in range_problems(dtype, with_gain, seed=18):
+        for eps in (1e-6, 0.0):
+            partial_outs, lse = attnres.block_reads(sources, queries, gains, eps=eps, scale=0.9)
+            check_merge_near_the_limits(
+                partial_outs[1], lse[1], block_sum, queries[1], None if gains is None else gains[1],
+                dtype, eps=eps, scale=0.9, gen=gen,
+                what=f"{dtype} mag={mag:g} D={queries.shape[1]} eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_chained_reads_near_the_dtype_limits_match_float64(dtype, with_gain):
+    """A block of reads, phase 1 then the merges, against one float64 read
+    per reader, rows anywhere in the dtype's range."""
+    for mag, sources, block_sum, queries, gains in range_problems(dtype, with_gain, seed=12):
+        for eps in (1e-6, 0.0):
+            check_reads_near_the_limits(
+                sources, block_sum, queries, gains, dtype, eps=eps, scale=0.9, seed=13,
+                what=f"{dtype} mag={mag:g} N={len(sources)} S={len(queries)} "
+                     f"D={queries.shape[1]} eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mixed_magnitudes_and_saturated_weights_near_the_limits(dtype):
+    """Huge, normal and tiny rows in one token, among the completed sources
+    and as the block sum (the rescued and the plain path side by side); with
+    the larger queries the weights saturate on one row. Each op on its own
+    for both dtypes; the chain for float32 only: in bfloat16 the merge's
+    <dh, P - y> takes y rounded to 8 bits, which next to a block sum 1e68
+    times smaller puts the block sum's gradient at 3% (one-call: 0.2%;
+    docs/design.md §10), a precision limit of bf16 partial outputs, not a
+    range one."""
+    gen = torch.Generator().manual_seed(14)
+    d = 64
+    for mags in ((1e38, 1.0, 1e-30), (3e19, 1e-20, 1e30, 1.0), (1.0, 1e-30, 1e38),
+                 (1e-30, 1e-30, 1e-30)):
+        *sources, block_sum = [
+            ((torch.rand(5, d, generator=gen, dtype=torch.float64) * 2 - 1) * m).to(dtype)
+            for m in mags]
+        for qscale in (0.0, 0.3, 3.0):
+            queries = (torch.randn(3, d, generator=gen, dtype=torch.float64) * qscale / d ** 0.5).float()
+            for eps in (1e-6, 0.0):
+                what = f"{mags} q*{qscale} eps={eps}"
+                check_phase_one_near_the_limits(sources, queries, None, dtype, eps=eps,
+                                                scale=1.0, gen=gen, what=what)
+                partial_outs, lse = attnres.block_reads(sources, queries, None, eps=eps)
+                for r in (1, 2):
+                    check_merge_near_the_limits(partial_outs[r], lse[r], block_sum, queries[r],
+                                                None, dtype, eps=eps, scale=1.0, gen=gen,
+                                                what=f"{what} reader {r}")
+                if dtype == torch.float32:
+                    check_reads_near_the_limits(sources, block_sum, queries, None, dtype,
+                                                eps=eps, scale=1.0, seed=15, what=what)
 
 
 def test_inplace_merge_equals_the_merge_and_refuses_gradients():

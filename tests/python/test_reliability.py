@@ -14,7 +14,8 @@ import attnres
 from attnres import ops
 from float64_reference import depth_attention_ref, forward_and_grads
 from float64_reference import rel_err
-from helpers import DEVICES, GRAD_REL_TOL, REL_TOL, STAT_REL_TOL, backward_op, param_dtype
+from helpers import (DEVICES, GRAD_REL_TOL, RANGE_MAGNITUDES, REL_TOL, STAT_REL_TOL, backward_op,
+                     extreme_sources, param_dtype)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -229,31 +230,6 @@ def test_issue_example_rows_of_3e19(device):
     assert rel_err(h, ref_h) < 1e-6
 
 
-def _dtype_max(dtype):
-    return torch.finfo(dtype).max
-
-
-MAGNITUDES = {
-    # Up to the dtype's maximum; 1e19-3e19 is where fp32 sums of squares
-    # start to overflow; tiny ones where they underflow.
-    torch.float32: [1e-30, 1e-20, 3e19, 1e25, 1e30, 1e37, 0.9 * _dtype_max(torch.float32)],
-    torch.bfloat16: [1e-30, 3e19, 1e30, 1e37, 0.9 * _dtype_max(torch.bfloat16)],
-    torch.float16: [1e-4, 1e2, 3e4, 0.9 * _dtype_max(torch.float16)],
-    torch.float64: [1e-300, 1e-160, 1e160, 1e200, 1e300, 0.9 * _dtype_max(torch.float64)],
-}
-
-
-def _extreme_sources(n, lead, d, dtype, mag, device, gen, spread=True):
-    out = []
-    for i in range(n):
-        # Uniform in [-1, 1] (no value beyond the magnitude), per-source
-        # factors so the weights are not uniform.
-        f = (0.3 + 0.7 * (i + 1) / n) if spread else 1.0
-        x = (torch.rand(*lead, d, generator=gen, dtype=torch.float64) * 2 - 1) * (mag * f)
-        out.append(x.to(dtype).to(device))
-    return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_gain", [True, False])
@@ -262,9 +238,9 @@ def test_extreme_magnitudes_forward_and_gradients(device, dtype, with_gain):
     gradient match the float64 reference (CPU; CUDA where a GPU is visible,
     except float64 backward on CUDA beyond |v| ~ 1e150, docs/design.md §8)."""
     gen = torch.Generator().manual_seed(1)
-    for mag in MAGNITUDES[dtype]:
+    for mag in RANGE_MAGNITUDES[dtype]:
         for n, lead, d in ((2, (3,), 4), (5, (2, 3), 33), (3, (4,), 256)):
-            srcs = _extreme_sources(n, lead, d, dtype, mag, device, gen)
+            srcs = extreme_sources(n, lead, d, dtype, mag, device, gen)
             q = (torch.randn(d, generator=gen, dtype=torch.float64) * 2 / math.sqrt(d)).to(
                 param_dtype(dtype)).to(device)
             g = (1 + 0.3 * torch.rand(d, generator=gen, dtype=torch.float64)).to(
@@ -312,7 +288,7 @@ def test_values_at_the_maximum_average_without_overflow(device):
     dtype's maximum give h at the maximum, not inf (an un-normalized online
     sum would overflow)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        big = _dtype_max(dtype)
+        big = torch.finfo(dtype).max
         srcs = [torch.full((3, 8), big, dtype=dtype, device=device) for _ in range(4)]
         h = attnres.depth_attention(srcs, torch.zeros(8, dtype=param_dtype(dtype), device=device))
         assert torch.isfinite(h).all(), dtype

@@ -34,11 +34,11 @@ class AttnResResidualImpl;
 
 // How a Block stream's reads run (docs/design.md §10): kAuto uses the
 // two-phase ops for blocks with at least 3 completed sources (where they
-// move fewer bytes than one-call reads) on CPU when grad mode is off (their
-// backward lacks the wide-type recomputation of rows near the dtype's
-// limits); kTwoPhase for every block on CPU, training included; kOneCall
-// never. CUDA streams always read one-call (no two-phase CUDA
-// kernels yet).
+// move fewer bytes than one-call reads) on CPU, training included, except
+// bf16/fp16 streams under grad mode (their merge backward would take
+// <dh, P - y> from a partial output rounded to 8/11 bits); kTwoPhase for
+// every block on CPU, training included; kOneCall never. CUDA streams
+// always read one-call (no two-phase CUDA kernels yet).
 enum class BlockReads { kAuto, kTwoPhase, kOneCall };
 
 namespace detail {
