@@ -15,9 +15,10 @@ only), "train" (forward and backward: the fused read also keeps h for its
 backward). Floor bytes, e = element size: infer (N + 1) T D e (read N
 sources, write y); train (N + 2) T D e forward (y and h written) plus
 (2N + 2) T D e backward (read N sources, dy and h; write N gradients).
-GB/s is that over the median time of the fused read, "% copy" over the
-copy bandwidth (bytes read + written per second of a 256 MiB copy)
-measured in the same run. The unfused read moves 2 T D e more forward
+GB/s is that over the median time of the fused read; "% copy" is the
+time of a tensor copy moving the same bytes (half read, half written),
+interleaved with the reads, over the fused read's time (so a shared,
+loaded machine slows both alike). The unfused read moves 2 T D e more forward
 (h written, read again, y written) and 2 T D e more backward (dh written by
 the norm's backward and read by the read's).
 
@@ -37,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -55,16 +54,11 @@ from block_reads import cpu_name, interleaved  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def copy_bandwidth_gbps(repeats: int) -> float:
-    src = torch.randn(64 << 20)  # 256 MiB
+def copy_of(n_bytes: int):
+    """A copy that reads n_bytes / 2 and writes n_bytes / 2 (float32)."""
+    src = torch.randn(max(1, n_bytes // 8))
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+    return lambda: dst.copy_(src)
 
 
 # ---- part 1: one read -----------------------------------------------------------------
@@ -111,11 +105,11 @@ def read_fns(N, T, D, dtype, with_compile):
     return impls, infer, train, (srcs, q, g, w)
 
 
-def part_read(T, D, repeats, copy_gbps, out):
+def part_read(T, D, repeats, out):
     out.append(f"## One read: N sources [{T}, {D}], fused norm vs read + separate RMSNorm\n")
-    out.append("Time ratios are medians of interleaved runs (fused = 1). GB/s and % copy: "
-               f"the fused read's floor bytes over its time; copy bandwidth {copy_gbps:.1f} GB/s "
-               "measured in this run.\n")
+    out.append("Time ratios are medians of interleaved runs (fused = 1). GB/s: the fused read's "
+               "floor bytes over its time; % copy: the time of a copy of those bytes, run "
+               "interleaved with the reads, over the fused read's time.\n")
     out.append("| dtype | N | pass | fused ms | GB/s | % copy | unfused / fused | eager / fused "
                "| compile / fused | max abs diff (unfused) |")
     out.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -128,18 +122,19 @@ def part_read(T, D, repeats, copy_gbps, out):
                         - impls["unfused"](srcs, q, g, w).float()).abs().max().item()
             e = srcs[0].element_size()
             for pass_name, wrap in (("infer", infer), ("train", train)):
-                fns = {name: wrap(fn) for name, fn in impls.items()}
-                for fn in fns.values():  # warm-up (and compile)
-                    fn()
-                med = interleaved(fns, repeats)
                 if pass_name == "infer":
                     floor = (N + 1) * T * D * e
                 else:
                     floor = (N + 2) * T * D * e + (2 * N + 2) * T * D * e
+                fns = {name: wrap(fn) for name, fn in impls.items()}
+                fns["copy"] = copy_of(floor)
+                for fn in fns.values():  # warm-up (and compile)
+                    fn()
+                med = interleaved(fns, repeats)
                 gbps = floor / med["fused"] / 1e9
                 comp = f"{med['compile'] / med['fused']:.2f}" if "compile" in med else "—"
                 out.append(f"| {str(dtype).replace('torch.', '')} | {N} | {pass_name} | "
-                           f"{med['fused'] * 1e3:.2f} | {gbps:.1f} | {100 * gbps / copy_gbps:.0f}% | "
+                           f"{med['fused'] * 1e3:.2f} | {gbps:.1f} | {100 * med['copy'] / med['fused']:.0f}% | "
                            f"{med['unfused'] / med['fused']:.2f} | {med['eager'] / med['fused']:.2f} "
                            f"| {comp} | {diff:.1e} |")
                 print(out[-1], flush=True)
@@ -198,6 +193,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--parts", default="read,gpt", help="read, gpt or both (comma-separated)")
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 15)
     T = 256 if args.quick else 4096
@@ -206,15 +202,17 @@ def main():
            f"`python benchmarks/out_norm.py{' --quick' if args.quick else ''}`\n",
            "Load average (1, 5, 15 min) at the start: "
            + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n"]
-    copy_gbps = copy_bandwidth_gbps(repeats)
-    part_read(T, 1024, repeats, copy_gbps, out)
-    if args.quick:
+    parts = args.parts.split(",")
+    if "read" in parts:
+        part_read(T, 1024, repeats, out)
+    if "gpt" in parts and args.quick:
         part_gpt(2, 128, 2, 64, 2, repeats, out)
-    else:
+    elif "gpt" in parts:
         part_gpt(16, 512, 4, 256, 4, repeats, out)
         part_gpt(16, 1024, 2, 256, 4, repeats, out)
     out.append("\nLoad average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
-    name = "quick_out_norm" if args.quick else "out_norm"
+    name = ("quick_out_norm" if args.quick else "out_norm") + (
+        "" if set(parts) >= {"read", "gpt"} else "_" + "_".join(parts))
     slug = cpu_name().split(" (")[0].replace("(R)", "").replace(" ", "_")
     path = Path(args.out_dir) / f"{name}_{slug}_{torch.get_num_threads()}_threads.md"
     path.parent.mkdir(parents=True, exist_ok=True)
