@@ -3,6 +3,7 @@
 
   python benchmarks/out_norm.py            # writes benchmarks/results/out_norm_<cpu>.md
   python benchmarks/out_norm.py --quick    # small sizes, few repeats (a dry run)
+  python benchmarks/out_norm.py --parts block      # part 3 alone
 
 Part 1, one read, CPU: N sources [T, D], D = 1024, T = 4096.
   fused     attnres.depth_attention(..., out_weight=w): RMSNorm(h) * w in the op;
@@ -21,6 +22,11 @@ interleaved with the reads, over the fused read's time (so a shared,
 loaded machine slows both alike). The unfused read moves 2 T D e more forward
 (h written, read again, y written) and 2 T D e more backward (dh written by
 the norm's backward and read by the read's).
+
+Part 3 (--parts block runs it alone): a Block GPT with
+norm="rmsnorm" under block_reads="auto" and "two_phase" (two-phase reads
+with the norm fused into phase 1 and the merges) vs "one_call", inference
+forward and training step, interleaved.
 
 Part 2, the example GPT (python/attnres/models.py) with norm="rmsnorm":
 standard residual (nn.RMSNorm pre-norms) vs Full and Block AttnRes whose
@@ -188,12 +194,54 @@ def part_gpt(n_layers, D, B, T, S, repeats, out):
     print("\n".join(out[-len(variants) - 3:]), flush=True)
 
 
+def part_block_reads(n_layers, D, B, T, S, repeats, out):
+    """Part 3: a Block GPT with norm="rmsnorm" (every read normed) under
+    block_reads="auto" (two-phase from the third block sum on, the norm
+    fused into phase 1 and the merges) and "two_phase" vs "one_call"."""
+    modes = ("one_call", "auto", "two_phase")
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        models[mode] = GPT(GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
+                                     n_heads=max(1, D // 64), residual="block", block_size=S,
+                                     norm="rmsnorm", block_reads=mode))
+    results = {}
+    with torch.no_grad():
+        for m in models.values():
+            m.eval()
+            m(idx)  # the readers learn their order
+        results["inference forward (torch.no_grad)"] = interleaved(
+            {mode: (lambda m=m: m(idx)) for mode, m in models.items()}, repeats)
+
+    def step(m):
+        _logits, loss = m(idx, idx)
+        loss.backward()
+
+    for m in models.values():
+        m.train()
+        step(m)
+    results["training step (forward + backward)"] = interleaved(
+        {mode: (lambda m=m: step(m)) for mode, m in models.items()}, max(3, repeats // 2))
+    out.append(f"\n## Block GPT, norm=\"rmsnorm\", two-phase reads with the fused norm: "
+               f"{n_layers} layers, D = {D}, B = {B}, T = {T}, S = {S}, fp32\n")
+    out.append("| block_reads | " + " | ".join(f"{k}: ms | {k}: time / one_call"
+                                              for k in results) + " |")
+    out.append("|---|" + "---:|---:|" * len(results))
+    for mode in modes:
+        out.append(f"| {mode} | " + " | ".join(
+            f"{med[mode] * 1e3:.1f} | {med[mode] / med['one_call']:.3f}"
+            for med in results.values()) + " |")
+    print("\n".join(out[-len(modes) - 3:]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--parts", default="read,gpt", help="read, gpt or both (comma-separated)")
+    ap.add_argument("--parts", default="read,gpt,block",
+                    help="which parts, comma-separated: read, gpt, block (part 3)")
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 15)
     T = 256 if args.quick else 4096
@@ -210,9 +258,14 @@ def main():
     elif "gpt" in parts:
         part_gpt(16, 512, 4, 256, 4, repeats, out)
         part_gpt(16, 1024, 2, 256, 4, repeats, out)
+    if "block" in parts and args.quick:
+        part_block_reads(3, 128, 2, 64, 2, repeats, out)
+    elif "block" in parts:
+        part_block_reads(16, 512, 4, 256, 4, repeats, out)
+        part_block_reads(16, 512, 4, 256, 2, repeats, out)
     out.append("\nLoad average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     name = ("quick_out_norm" if args.quick else "out_norm") + (
-        "" if set(parts) >= {"read", "gpt"} else "_" + "_".join(parts))
+        "" if set(parts) >= {"read", "gpt", "block"} else "_" + "_".join(parts))
     slug = cpu_name().split(" (")[0].replace("(R)", "").replace(" ", "_")
     path = Path(args.out_dir) / f"{name}_{slug}_{torch.get_num_threads()}_threads.md"
     path.parent.mkdir(parents=True, exist_ok=True)

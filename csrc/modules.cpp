@@ -140,13 +140,7 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   state.last_reader = self;
   state.last_completed = num_completed;
   state.last_pos = pos;
-  // A reader with an output norm reads one-call (the norm fused into it)
-  // unless two-phase reads are forced: the merge ops do not fuse the norm
-  // yet (docs/design.md §11).
-  if (!block_size_ || !two_phase(num_completed) ||
-      (reader.out_weight.defined() && block_reads_ != BlockReads::kTwoPhase)) {
-    return reader.read_one_call(*this);
-  }
+  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
   const std::optional<at::Tensor> gain =
       reader.norm_weight.defined() ? std::optional<at::Tensor>(reader.norm_weight) : std::nullopt;
   if (pos == 0) {
@@ -165,9 +159,17 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
       queries.push_back(r->query);
       if (gain) gains.push_back(r->norm_weight);
     }
-    auto [partials, lse] = attnres::block_reads(
-        completed_, at::stack(queries),
-        gain ? std::optional<at::Tensor>(at::stack(gains)) : std::nullopt, reader.options.eps());
+    const std::optional<at::Tensor> stacked_gains =
+        gain ? std::optional<at::Tensor>(at::stack(gains)) : std::nullopt;
+    // Reader 0's output norm (when it has one) is fused into phase 1:
+    // partials[0] is its final read (docs/design.md §11).
+    auto [partials, lse] =
+        reader.out_weight.defined()
+            ? attnres::block_reads_normed(completed_, at::stack(queries), stacked_gains,
+                                          reader.out_weight, reader.options.eps(), 1.0,
+                                          reader.options.out_eps())
+            : attnres::block_reads(completed_, at::stack(queries), stacked_gains,
+                                   reader.options.eps());
     // Without grad mode nothing is recomputed: keep one block's partials only.
     if (!at::GradMode::is_enabled()) state.entries.clear();
     detail::BlockReadState::Entry entry;
@@ -176,7 +178,7 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     entry.partials = partials;
     entry.lse = lse;
     state.entries[num_completed] = std::move(entry);
-    return reader.out_normed(partials[0]);
+    return partials[0];
   }
   const auto it = state.entries.find(num_completed);
   if (it == state.entries.end() || !it->second.last_completed.is_same(completed_.back()) ||
@@ -184,18 +186,30 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
       it->second.readers[pos] != &reader || !it->second.partials[pos].defined()) {
     return reader.read_one_call(*this);
   }
+  // Phase 2 fuses the reader's output norm when it has one (§11).
   if (at::GradMode::is_enabled()) {
-    return reader.out_normed(block_read_merge(it->second.partials[pos], it->second.lse[pos],
-                                              partial_, reader.query, gain,
-                                              reader.options.eps()));
+    if (reader.out_weight.defined()) {
+      return block_read_merge_normed(it->second.partials[pos], it->second.lse[pos], partial_,
+                                     reader.query, gain, reader.out_weight, reader.options.eps(),
+                                     1.0, reader.options.out_eps());
+    }
+    return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
+                            gain, reader.options.eps());
   }
-  // Inference: h overwrites the partial output it consumes (no new output
-  // allocated); a second read at this position reads one-call.
+  // Inference: h (y with an output norm) overwrites the partial output it
+  // consumes (no new output allocated); a second read at this position
+  // reads one-call.
   at::Tensor h = std::move(it->second.partials[pos]);
   it->second.partials[pos] = at::Tensor();
-  block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
-                           reader.options.eps());
-  return reader.out_normed(h);
+  if (reader.out_weight.defined()) {
+    block_read_merge_normed_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                                    reader.out_weight, reader.options.eps(), 1.0,
+                                    reader.options.out_eps());
+  } else {
+    block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                             reader.options.eps());
+  }
+  return h;
 }
 
 at::Tensor DepthStream::checked_output(const at::Tensor& f) const {
@@ -282,11 +296,6 @@ at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
                                   options.out_eps());
   }
   return depth_attention(stream.sources(), query, gain, options.eps());
-}
-
-at::Tensor AttnResResidualImpl::out_normed(const at::Tensor& h) const {
-  if (!out_weight.defined()) return h;
-  return at::rms_norm(h, {options.dim()}, out_weight.to(h.scalar_type()), options.out_eps());
 }
 
 at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {

@@ -66,6 +66,24 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor[] sources, Tensor queries, Tensor? norm_weights, Tensor rstd, "
       "Tensor weights, float scale, bool[] output_mask) -> "
       "(Tensor[] grad_sources, Tensor grad_queries, Tensor grad_norm_weights)");
+  // Phase 1 with reader 0's output norm fused (docs/design.md §10, §11):
+  // partial_outs[0] is y_0 = RMSNorm(h_0) * out_weight, reader 0's final
+  // read (a block's first read has no partial sum to merge); the others are
+  // as block_reads_fwd's. h is h_0 (empty unless keep_h; the autograd
+  // kernel keeps it whenever it records), out_rstd [...] the norm's rstd.
+  m.def(
+      "block_reads_normed_fwd(Tensor[] sources, Tensor queries, Tensor? norm_weights, "
+      "Tensor out_weight, float eps, float scale, float out_eps, bool keep_h) -> "
+      "(Tensor[] partial_outs, Tensor lse, Tensor rstd, Tensor weights, Tensor h, "
+      "Tensor out_rstd)");
+  // grad_partial_outs[0] is the gradient of y_0; output_mask: N + 3 flags
+  // (each source, queries, norm_weights, out_weight).
+  m.def(
+      "block_reads_normed_bwd(Tensor[] grad_partial_outs, Tensor? grad_lse, "
+      "Tensor[] sources, Tensor queries, Tensor? norm_weights, Tensor out_weight, Tensor h, "
+      "Tensor rstd, Tensor weights, Tensor out_rstd, float scale, bool[] output_mask) -> "
+      "(Tensor[] grad_sources, Tensor grad_queries, Tensor grad_norm_weights, "
+      "Tensor grad_out_weight)");
   // Phase 2: one reader's phase-1 state (partial_out, lse) merged exactly
   // with the partial block sum: h, and the block sum's rstd and weight.
   m.def(
@@ -86,6 +104,29 @@ TORCH_LIBRARY(attnres, m) {
       "block_read_merge_inplace(Tensor(a!) partial_out, Tensor lse, "
       "Tensor block_sum, Tensor query, Tensor? norm_weight, float eps, "
       "float scale) -> ()");
+  // Phase 2 with the fused output norm (docs/design.md §10, §11): out is
+  // y = RMSNorm(h) * out_weight, h written only with keep_h (empty
+  // otherwise; the autograd kernel keeps it whenever it records), out_rstd
+  // [...] the norm's rstd; as depth_attention_normed_* extend
+  // depth_attention_*.
+  m.def(
+      "block_read_merge_normed_fwd(Tensor partial_out, Tensor lse, Tensor block_sum, "
+      "Tensor query, Tensor? norm_weight, Tensor out_weight, float eps, float scale, "
+      "float out_eps, bool keep_h) -> (Tensor out, Tensor h, Tensor rstd, Tensor weight, "
+      "Tensor out_rstd)");
+  // grad_out is the gradient of y; output_mask: 6 flags (partial_out, lse,
+  // block_sum, query, norm_weight, out_weight).
+  m.def(
+      "block_read_merge_normed_bwd(Tensor grad_out, Tensor partial_out, Tensor block_sum, "
+      "Tensor query, Tensor? norm_weight, Tensor out_weight, Tensor h, Tensor rstd, "
+      "Tensor weight, Tensor out_rstd, float scale, bool[] output_mask) -> "
+      "(Tensor grad_partial_out, Tensor grad_lse, Tensor grad_block_sum, "
+      "Tensor grad_query, Tensor grad_norm_weight, Tensor grad_out_weight)");
+  // Inference: y overwrites partial_out, as block_read_merge_inplace.
+  m.def(
+      "block_read_merge_normed_inplace(Tensor(a!) partial_out, Tensor lse, "
+      "Tensor block_sum, Tensor query, Tensor? norm_weight, Tensor out_weight, "
+      "float eps, float scale, float out_eps) -> ()");
 }
 
 namespace attnres {

@@ -19,9 +19,12 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
+#include <type_traits>
 
 #include "attnres/depth_math.h"
 #include "attnres/row_layout.h"
+#include "out_norm_rows.h"
 #include "vec_rows.h"
 
 namespace attnres {
@@ -239,8 +242,17 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
   acc_t* w_p = call.weights.data_ptr<acc_t>();
 
+  // Reader 0's fused output norm: h_0 is written (to the kept h, else to
+  // y_0's row) and normalized from L1 into y_0 (row_normed_store, as the
+  // one-call read; h_0 is already rounded, so the factor is 1).
+  const OutNormForward* norm = call.out_norm;
+  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
+  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
+  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
+  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   const int64_t tile = phase1_tile<scalar_t>(N, D);
   at::parallel_for(0, T, tile, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<acc_t> hbuf(norm ? D : 0);
     std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N);
     std::vector<const scalar_t*> rows(N);
     std::vector<scalar_t*> out_rows(S);
@@ -279,7 +291,13 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         }
         // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
         for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
+        if (h_keep) out_rows[0] = h_keep + t * D;
         rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
+        if (norm) {
+          row_load(hbuf.data(), out_rows[0], D);
+          norm_rstd[t] = row_normed_store(out_p[0] + t * D, static_cast<scalar_t*>(nullptr),
+                                          hbuf.data(), acc_t(1), norm_w, norm_eps, D);
+        }
       }
     }
   });
@@ -411,6 +429,16 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   const bool want_z = call.z.defined();
   const Chunks chunks = z_chunks(T, S * D, sizeof(acc_t));
   std::vector<acc_t> partial(want_z ? chunks.count * S * D : 0, acc_t(0));
+  // Reader 0's fused output norm: its dh is formed from dy_0, h_0 and the
+  // norm's rstd (row_normed_grad); dy_0 * n goes to the chunk's partial row
+  // of the out_weight gradient (fixed-order sum, as z).
+  const OutNormBackward* norm = has_dy ? call.out_norm : nullptr;
+  const bool want_dw = norm && norm->grad_weight.defined();
+  std::optional<RowsOf<scalar_t>> h_rows;
+  if (norm) h_rows.emplace(*call.h);
+  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
+  std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
   at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dy(has_dy ? S * D : 0), dots(2 * S), dp(S * N), su(S * N);
@@ -431,9 +459,16 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
     const int64_t n_with = has_dy ? 2 * S : S;
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * S * D : nullptr;
+      acc_t* dw = want_dw ? dw_partial.data() + c * D : nullptr;
       const int64_t t_end = std::min(T, (c + 1) * chunks.size);
       for (int64_t t = c * chunks.size; t < t_end; ++t) {
-        for (int64_t s = 0; s < S && has_dy; ++s) row_load(dy.data() + s * D, dy_src[s].row(t), D);
+        for (int64_t s = 0; s < S && has_dy; ++s) {
+          if (s == 0 && norm) {
+            row_normed_grad(dy.data(), dy_src[0].row(t), h_rows->row(t), norm_w, norm_r[t], dw, D);
+          } else {
+            row_load(dy.data() + s * D, dy_src[s].row(t), D);
+          }
+        }
         // Sweep 1 (from memory): dp_{s,i} = <dy_s, v_i>, <u_s, v_i>.
         for (int64_t i = 0; i < N; ++i) {
           acc_t unused;
@@ -492,6 +527,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
     }
   });
   if (want_z) sum_chunks(partial, chunks.count, S * D, call.z.data_ptr<acc_t>());
+  if (want_dw) sum_chunks(dw_partial, chunks.count, D, norm->grad_weight.data_ptr<acc_t>());
 }
 
 // ---- phase 2 ----------------------------------------------------------------
@@ -509,7 +545,15 @@ void merge_forward_impl(const MergeForwardCall& call) {
   scalar_t* out_p = call.out.data_ptr<scalar_t>();
   acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
   acc_t* w_p = call.weight.data_ptr<acc_t>();
+  // The fused output norm: h lands in an L1 row first (rounded to scalar_t
+  // by row_normed_store, as in the one-call read), then y (and h if kept).
+  const OutNormForward* norm = call.out_norm;
+  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
+  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
+  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
+  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<acc_t> hbuf(norm ? D : 0);
     for (int64_t t = t_begin; t < t_end; ++t) {
       const scalar_t* y = y_rows.row(t);
       const scalar_t* P = p_rows.row(t);
@@ -526,6 +570,25 @@ void merge_forward_impl(const MergeForwardCall& call) {
       scalar_t* out = out_p + t * D;
       const AVec vk(keep), vt(take), vf(f);
       int64_t j = 0;
+      if (norm) {
+        acc_t* hb = hbuf.data();
+        for (; j + L::kStep <= D; j += L::kStep) {
+          AVec yv[L::kParts], pv[L::kParts];
+          L::load(y + j, yv);
+          L::load(P + j, pv);
+          for (int k = 0; k < L::kParts; ++k) {
+            math::online_accumulate(yv[k], vk, vt, pv[k]).store(hb + j + k * AVec::size());
+          }
+        }
+        for (; j < D; ++j) {
+          hb[j] = math::online_accumulate(static_cast<acc_t>(y[j]), keep, take,
+                                          static_cast<acc_t>(P[j]));
+        }
+        // y may be the consumed partial_out (in place): its row is in hb now.
+        norm_rstd[t] = row_normed_store(out, h_keep ? h_keep + t * D : nullptr, hb, f, norm_w,
+                                        norm_eps, D);
+        continue;
+      }
       for (; j + L::kStep <= D; j += L::kStep) {
         AVec yv[L::kParts], pv[L::kParts], o[L::kParts];
         L::load(y + j, yv);
@@ -543,12 +606,12 @@ void merge_forward_impl(const MergeForwardCall& call) {
 
 // The phase-2 backward of one token in math::WideType: the rare tokens
 // (math::backward_row_is_rare), as block_reads_token_wide.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void merge_token_wide(const scalar_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
+template <typename scalar_t, typename dh_t, typename acc_t = at::opmath_type<scalar_t>>
+void merge_token_wide(const dh_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
                       acc_t a_acc, acc_t r_acc, int64_t D, scalar_t* dy, acc_t* dlse,
                       scalar_t* dP, acc_t* z) {
   using W = typename math::WideType<acc_t>::type;
-  auto wide = [](scalar_t x) { return static_cast<W>(static_cast<acc_t>(x)); };
+  auto wide = [](auto x) { return static_cast<W>(static_cast<acc_t>(x)); };
   W cdot = 0, udot = 0;
   for (int64_t d = 0; d < D; ++d) {
     cdot += wide(dh[d]) * (wide(P[d]) - wide(y[d]));
@@ -568,11 +631,83 @@ void merge_token_wide(const scalar_t* dh, const scalar_t* y, const scalar_t* P, 
   }
 }
 
+// One step of a dh row as accumulation-dtype vectors: grad_out's row
+// (scalar_t), or the fused output norm's dh row (acc_t, from
+// row_normed_grad).
+template <typename scalar_t, typename dh_t>
+void load_dh(const dh_t* p, typename Lanes<scalar_t>::AVec (&v)[Lanes<scalar_t>::kParts]) {
+  using L = Lanes<scalar_t>;
+  if constexpr (std::is_same_v<dh_t, scalar_t>) {
+    L::load(p, v);
+  } else {
+    for (int k = 0; k < L::kParts; ++k) v[k] = L::AVec::loadu(p + k * L::AVec::size());
+  }
+}
+
+// The phase-2 backward of one token from its dh row (scalar_t or acc_t).
+template <typename scalar_t, typename dh_t, typename acc_t = at::opmath_type<scalar_t>>
+void merge_token_grad(const dh_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
+                      acc_t a, acc_t r, int64_t D, scalar_t* dy, acc_t* dlse, scalar_t* dP,
+                      acc_t* z) {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  // Sweep 1: c = <dh, P - y> (elementwise difference: nothing cancels
+  // beyond it) and <u, P>.
+  AVec cd[2] = {AVec(acc_t(0)), AVec(acc_t(0))}, ud[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec hv[L::kParts], yv[L::kParts], pv[L::kParts];
+    load_dh<scalar_t>(dh + j, hv);
+    L::load(y + j, yv);
+    L::load(P + j, pv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int ch = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
+      cd[ch] = at::vec::fmadd(hv[k], pv[k] - yv[k], cd[ch]);
+      ud[ch] = at::vec::fmadd(AVec::loadu(u + j + k * AVec::size()), pv[k], ud[ch]);
+    }
+  }
+  acc_t cdot = hsum(cd[0] + cd[1]), udot = hsum(ud[0] + ud[1]);
+  for (; j < D; ++j) {
+    const acc_t pj = static_cast<acc_t>(P[j]);
+    cdot += static_cast<acc_t>(dh[j]) * (pj - static_cast<acc_t>(y[j]));
+    udot += u[j] * pj;
+  }
+  // ds = a (1 - a) c = a (dp_P - <dh, h>) (docs/design.md §10).
+  const acc_t s = math::score(r, udot), dp_rel = (acc_t(1) - a) * cdot;
+  const auto g = math::source_grad_coefficients(a, r, s, dp_rel, acc_t(0), D);
+  if (math::backward_row_is_rare(a, r, s, dp_rel, acc_t(0), g)) {
+    merge_token_wide(dh, y, P, u, a, r, D, dy, dlse, dP, z);
+    return;
+  }
+  if (dlse) *dlse = -(a * dp_rel);
+  if (!dy && !dP && !z) return;
+  // Sweep 2 (from L1): dy = (1 - a) dh, dP = a dh + alpha u + beta P, z.
+  const AVec keep(acc_t(1) - a), va(g.a), valpha(g.alpha), vbeta(g.beta);
+  j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec hv[L::kParts], pv[L::kParts], o1[L::kParts], o2[L::kParts];
+    load_dh<scalar_t>(dh + j, hv);
+    L::load(P + j, pv);
+    for (int k = 0; k < L::kParts; ++k) {
+      const int64_t o = j + k * AVec::size();
+      o1[k] = keep * hv[k];
+      o2[k] = math::source_grad(va, hv[k], valpha, AVec::loadu(u + o), vbeta, pv[k]);
+      if (z) at::vec::fmadd(valpha, pv[k], AVec::loadu(z + o)).store(z + o);
+    }
+    if (dy) L::store(dy + j, o1);
+    if (dP) L::store(dP + j, o2);
+  }
+  for (; j < D; ++j) {
+    const acc_t hj = static_cast<acc_t>(dh[j]), pj = static_cast<acc_t>(P[j]);
+    if (dy) dy[j] = static_cast<scalar_t>((acc_t(1) - a) * hj);
+    if (dP) dP[j] = static_cast<scalar_t>(math::source_grad(g.a, hj, g.alpha, u[j], g.beta, pj));
+    if (z) z[j] += g.alpha * pj;
+  }
+}
+
 template <typename scalar_t>
 void merge_backward_impl(const MergeBackwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
   const int64_t D = call.D, T = call.T;
   const RowsOf<scalar_t> dh_rows(call.grad_out), y_rows(call.partial_out), p_rows(call.block_sum);
   const acc_t* u = call.u.const_data_ptr<acc_t>();
@@ -584,74 +719,42 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   const bool want_z = call.z.defined();
   const Chunks chunks = z_chunks(T, D, sizeof(acc_t));
   std::vector<acc_t> partial(want_z ? chunks.count * D : 0, acc_t(0));
+  // The fused output norm: grad_out is dy; dh is formed per token from dy,
+  // h and the norm's rstd (row_normed_grad, as the one-call backward), and
+  // dy * n goes to the chunk's partial row of the out_weight gradient, so
+  // that gradient is summed in a fixed order too.
+  const OutNormBackward* norm = call.out_norm;
+  const bool want_dw = norm && norm->grad_weight.defined();
+  std::optional<RowsOf<scalar_t>> h_rows;
+  if (norm) h_rows.emplace(*call.h);
+  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
+  std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
   at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<acc_t> dh_buf(norm ? D : 0);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;
+      acc_t* dw = want_dw ? dw_partial.data() + c * D : nullptr;
       const int64_t t_end = std::min(T, (c + 1) * chunks.size);
       for (int64_t t = c * chunks.size; t < t_end; ++t) {
-        const scalar_t* dh = dh_rows.row(t);
-        const scalar_t* y = y_rows.row(t);
-        const scalar_t* P = p_rows.row(t);
-        // Sweep 1: c = <dh, P - y> (elementwise difference: nothing cancels
-        // beyond it) and <u, P>.
-        AVec cd[2] = {AVec(acc_t(0)), AVec(acc_t(0))}, ud[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
-        int64_t j = 0;
-        for (; j + L::kStep <= D; j += L::kStep) {
-          AVec hv[L::kParts], yv[L::kParts], pv[L::kParts];
-          L::load(dh + j, hv);
-          L::load(y + j, yv);
-          L::load(P + j, pv);
-          for (int k = 0; k < L::kParts; ++k) {
-            const int ch = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
-            cd[ch] = at::vec::fmadd(hv[k], pv[k] - yv[k], cd[ch]);
-            ud[ch] = at::vec::fmadd(AVec::loadu(u + j + k * AVec::size()), pv[k], ud[ch]);
-          }
-        }
-        acc_t cdot = hsum(cd[0] + cd[1]), udot = hsum(ud[0] + ud[1]);
-        for (; j < D; ++j) {
-          const acc_t pj = static_cast<acc_t>(P[j]);
-          cdot += static_cast<acc_t>(dh[j]) * (pj - static_cast<acc_t>(y[j]));
-          udot += u[j] * pj;
-        }
-        const acc_t a = w_p[t], r = rstd_p[t];
-        // ds = a (1 - a) c = a (dp_P - <dh, h>) (docs/design.md §10).
-        const acc_t s = math::score(r, udot), dp_rel = (acc_t(1) - a) * cdot;
-        const auto g = math::source_grad_coefficients(a, r, s, dp_rel, acc_t(0), D);
         scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
         scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
-        if (math::backward_row_is_rare(a, r, s, dp_rel, acc_t(0), g)) {
-          merge_token_wide(dh, y, P, u, a, r, D, dy, dlse_p ? dlse_p + t : nullptr, dP, z);
-          continue;
-        }
-        if (dlse_p) dlse_p[t] = -(a * dp_rel);
-        if (!dy_p && !dP_p && !z) continue;
-        // Sweep 2 (from L1): dy = (1 - a) dh, dP = a dh + alpha u + beta P, z.
-        const AVec keep(acc_t(1) - a), va(g.a), valpha(g.alpha), vbeta(g.beta);
-        j = 0;
-        for (; j + L::kStep <= D; j += L::kStep) {
-          AVec hv[L::kParts], pv[L::kParts], o1[L::kParts], o2[L::kParts];
-          L::load(dh + j, hv);
-          L::load(P + j, pv);
-          for (int k = 0; k < L::kParts; ++k) {
-            const int64_t o = j + k * AVec::size();
-            o1[k] = keep * hv[k];
-            o2[k] = math::source_grad(va, hv[k], valpha, AVec::loadu(u + o), vbeta, pv[k]);
-            if (z) at::vec::fmadd(valpha, pv[k], AVec::loadu(z + o)).store(z + o);
-          }
-          if (dy) L::store(dy + j, o1);
-          if (dP) L::store(dP + j, o2);
-        }
-        for (; j < D; ++j) {
-          const acc_t hj = static_cast<acc_t>(dh[j]), pj = static_cast<acc_t>(P[j]);
-          if (dy) dy[j] = static_cast<scalar_t>((acc_t(1) - a) * hj);
-          if (dP) dP[j] = static_cast<scalar_t>(math::source_grad(g.a, hj, g.alpha, u[j], g.beta, pj));
-          if (z) z[j] += g.alpha * pj;
+        acc_t* dlse = dlse_p ? dlse_p + t : nullptr;
+        if (norm) {
+          row_normed_grad(dh_buf.data(), dh_rows.row(t), h_rows->row(t), norm_w, norm_r[t], dw,
+                          D);
+          merge_token_grad(static_cast<const acc_t*>(dh_buf.data()), y_rows.row(t),
+                           p_rows.row(t), u, w_p[t], rstd_p[t], D, dy, dlse, dP, z);
+        } else {
+          merge_token_grad(dh_rows.row(t), y_rows.row(t), p_rows.row(t), u, w_p[t], rstd_p[t], D,
+                           dy, dlse, dP, z);
         }
       }
     }
   });
   if (want_z) sum_chunks(partial, chunks.count, D, call.z.data_ptr<acc_t>());
+  if (want_dw) sum_chunks(dw_partial, chunks.count, D, norm->grad_weight.data_ptr<acc_t>());
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward
+
 namespace attnres {
 namespace cpu {
 
@@ -23,6 +25,10 @@ struct BlockReadsForwardCall {
   at::Tensor& lse;                        // [S, ...] accumulation dtype
   at::Tensor& rstd;                       // [N, ...]
   at::Tensor& weights;                    // [S, N, ...]
+  // The fused output norm of reader 0 (docs/design.md §11): partial_outs[0]
+  // is y_0 = RMSNorm(h_0) * w (reader 0's read is final at phase 1), h_0
+  // written to out_norm->h where that is defined. Null: partial_outs[0] is h_0.
+  const OutNormForward* out_norm = nullptr;
 };
 
 struct BlockReadsBackwardCall {
@@ -36,6 +42,11 @@ struct BlockReadsBackwardCall {
   const at::Tensor& weights;  // [S, N, ...] contiguous
   std::vector<at::Tensor>& grad_sources;  // N: contiguous to fill, or undefined
   at::Tensor& z;  // [S, D] sum of alpha_{s,i} v_i, or undefined (not wanted)
+  // With reader 0's fused output norm grad_partial_outs[0] is dy_0 and h
+  // the forward's h_0 (any strides); out_norm->grad_weight (when defined)
+  // is set to the out_weight gradient.
+  const OutNormBackward* out_norm = nullptr;
+  const at::Tensor* h = nullptr;
 };
 
 // Phase 2: one reader, one more source (the partial block sum).
@@ -46,9 +57,12 @@ struct MergeForwardCall {
   const at::Tensor& block_sum;    // [..., D] any strides
   const at::Tensor& u;            // [D]
   double eps;
-  at::Tensor& out;     // contiguous
+  at::Tensor& out;     // contiguous (y with out_norm, else h)
   at::Tensor& rstd;    // [...]
   at::Tensor& weight;  // [...]
+  // The fused output norm (docs/design.md §11): out is y = RMSNorm(h) * w,
+  // h written to out_norm->h where that is defined. Null: out is h.
+  const OutNormForward* out_norm = nullptr;
 };
 
 struct MergeBackwardCall {
@@ -63,6 +77,11 @@ struct MergeBackwardCall {
   at::Tensor& grad_lse;          // contiguous, or undefined
   at::Tensor& grad_block_sum;    // contiguous, or undefined
   at::Tensor& z;                 // [D], or undefined
+  // With the fused output norm grad_out is dy (the gradient of y) and h
+  // the forward's h (any strides): dh is formed per token from them;
+  // out_norm->grad_weight (when defined) is set to the out_weight gradient.
+  const OutNormBackward* out_norm = nullptr;
+  const at::Tensor* h = nullptr;
 };
 
 void block_reads_forward(const BlockReadsForwardCall& call);

@@ -210,12 +210,7 @@ class DepthStream:
         if pos > 0 and last is not None and last[1] == num_completed and last[2] == pos - 1:
             last[0]._learn_successor(reader, state.token)
         state.last = (reader, num_completed, pos)
-        # A reader with an output norm reads one-call (the norm fused into
-        # it) unless two-phase reads are forced: the merge ops do not fuse
-        # the norm yet (docs/design.md §11).
-        if not self._two_phase(num_completed) or (
-            reader.out_weight is not None and self.block_reads != "two_phase"
-        ):
+        if not self._two_phase(num_completed):
             return reader._one_call(self.sources)
         if pos == 0:
             readers = [reader]
@@ -229,26 +224,31 @@ class DepthStream:
             gains = None
             if reader.norm_weight is not None:
                 gains = torch.stack([r.norm_weight for r in readers])
-            partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps)
+            # Reader 0's output norm (when it has one) is fused into phase 1:
+            # partials[0] is its final read (docs/design.md §11).
+            partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps,
+                                        out_weight=reader.out_weight, out_eps=reader.out_eps)
             if not torch.is_grad_enabled():
                 state.entries.clear()  # nothing to recompute: keep one block's partials only
             state.entries[num_completed] = (self._completed[-1], readers, partials, lse)
-            return reader._out_normed(partials[0])
+            return partials[0]
         entry = state.entries.get(num_completed)
         if (entry is None or entry[0] is not self._completed[-1] or pos >= len(entry[1])
                 or entry[1][pos] is not reader or entry[2][pos] is None):
             return reader._one_call(self.sources)
+        # Phase 2 fuses the reader's output norm when it has one (§11).
         if torch.is_grad_enabled():
-            return reader._out_normed(block_read_merge(
+            return block_read_merge(
                 entry[2][pos], entry[3][pos], self._partial, reader.query, reader.norm_weight,
-                eps=reader.eps))
-        # Inference: h overwrites the partial output it consumes (no new
-        # output allocated); a second read at this position reads one-call.
+                eps=reader.eps, out_weight=reader.out_weight, out_eps=reader.out_eps)
+        # Inference: h (y with an output norm) overwrites the partial output
+        # it consumes (no new output allocated); a second read at this
+        # position reads one-call.
         partial = entry[2][pos]
         entry[2][pos] = None
-        return reader._out_normed(block_read_merge_inplace(
+        return block_read_merge_inplace(
             partial, entry[3][pos], self._partial, reader.query, reader.norm_weight,
-            eps=reader.eps))
+            eps=reader.eps, out_weight=reader.out_weight, out_eps=reader.out_eps)
 
     def _checked_output(self, f) -> torch.Tensor:
         if not isinstance(f, torch.Tensor):
@@ -372,15 +372,6 @@ class AttnResResidual(nn.Module):
         return depth_attention(sources, self.query, self.norm_weight, eps=self.eps,
                                return_weights=return_weights, out_weight=self.out_weight,
                                out_eps=self.out_eps)
-
-    def _out_normed(self, h: torch.Tensor) -> torch.Tensor:
-        """A two-phase read's h with this reader's output norm, when it has
-        one (only under block_reads="two_phase": the merge ops do not fuse
-        the norm yet, docs/design.md §11)."""
-        if self.out_weight is None:
-            return h
-        return torch.nn.functional.rms_norm(h, (self.dim,), self.out_weight.to(h.dtype),
-                                            self.out_eps)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.query)

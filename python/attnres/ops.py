@@ -438,6 +438,52 @@ def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_we
     return grads, grad_queries, grad_gains
 
 
+@torch.library.register_fake("attnres::block_reads_normed_fwd")
+def _block_reads_normed_fwd_fake(sources, queries, norm_weights, out_weight, eps, scale, out_eps,
+                                 keep_h):
+    partial_outs, lse, rstd, weights = _block_reads_fwd_fake(sources, queries, norm_weights, eps,
+                                                             scale)
+    src0 = sources[0]
+    check_out_norm_args(out_weight, out_eps, src0)
+    h = torch.empty(src0.shape if keep_h else (0,), dtype=src0.dtype, device=src0.device)
+    out_rstd = src0.new_empty(src0.shape[:-1], dtype=_acc_dtype(src0.dtype))
+    return partial_outs, lse, rstd, weights, h, out_rstd
+
+
+@torch.library.register_fake("attnres::block_reads_normed_bwd")
+def _block_reads_normed_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights,
+                                 out_weight, h, rstd, weights, out_rstd, scale, output_mask):
+    check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
+    src0 = sources[0]
+    S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
+    acc = _acc_dtype(src0.dtype)
+    if len(grad_partial_outs) not in (0, S):
+        raise ValueError(
+            f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
+        )
+    for g in grad_partial_outs:
+        _check_like(g, "grad_partial_outs", src0, "the sources'")
+    if grad_lse is not None:
+        _check_stat(grad_lse, "grad_lse", [S, *lead], acc, src0)
+    check_out_norm_args(out_weight, 0.0, src0)
+    _check_like(h, "h (the forward's read before the output norm)", src0, "the sources'")
+    _check_stat(rstd, "rstd", [N, *lead], acc, src0)
+    _check_stat(weights, "weights", [S, N, *lead], acc, src0)
+    _check_stat(out_rstd, "out_rstd", lead, acc, src0)
+    if len(output_mask) != N + 3:
+        raise ValueError(
+            f"output_mask must have {N + 3} entries (each source, queries, norm_weights, "
+            f"out_weight), got {len(output_mask)}"
+        )
+    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
+             for i, s in enumerate(sources) if output_mask[i]]
+    gain_dtype = norm_weights.dtype if norm_weights is not None else queries.dtype
+    grad_queries = torch.empty_like(queries) if output_mask[N] else None
+    grad_gains = queries.new_empty(queries.shape, dtype=gain_dtype) if output_mask[N + 1] else None
+    grad_out_weight = torch.empty_like(out_weight) if output_mask[N + 2] else None
+    return grads, grad_queries, grad_gains, grad_out_weight
+
+
 def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale) -> None:
     """Same checks and words as csrc/block_reads.cpp (used by the fake kernels)."""
     if not isinstance(block_sum, torch.Tensor):
@@ -494,44 +540,130 @@ def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weig
     return None
 
 
+@torch.library.register_fake("attnres::block_read_merge_normed_fwd")
+def _block_read_merge_normed_fwd_fake(partial_out, lse, block_sum, query, norm_weight, out_weight,
+                                      eps, scale, out_eps, keep_h):
+    out, rstd, weight = _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight,
+                                                   eps, scale)
+    check_out_norm_args(out_weight, out_eps, block_sum)
+    h = torch.empty(block_sum.shape if keep_h else (0,), dtype=block_sum.dtype,
+                    device=block_sum.device)
+    out_rstd = block_sum.new_empty(block_sum.shape[:-1], dtype=_acc_dtype(block_sum.dtype))
+    return out, h, rstd, weight, out_rstd
+
+
+@torch.library.register_fake("attnres::block_read_merge_normed_bwd")
+def _block_read_merge_normed_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight,
+                                      out_weight, h, rstd, weight, out_rstd, scale, output_mask):
+    if not isinstance(block_sum, torch.Tensor):
+        raise ValueError("block_sum must be a tensor [..., D]")
+    check_args([block_sum], query, norm_weight, 0.0, scale)
+    _check_like(grad_out, "grad_out", block_sum, "block_sum's")
+    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
+    check_out_norm_args(out_weight, 0.0, block_sum)
+    _check_like(h, "h (the forward's read before the output norm)", block_sum, "block_sum's")
+    acc = _acc_dtype(block_sum.dtype)
+    lead = block_sum.shape[:-1]
+    _check_stat(rstd, "rstd", lead, acc, block_sum)
+    _check_stat(weight, "weight", lead, acc, block_sum)
+    _check_stat(out_rstd, "out_rstd", lead, acc, block_sum)
+    if len(output_mask) != 6:
+        raise ValueError(
+            "output_mask must have 6 entries (partial_out, lse, block_sum, query, norm_weight, "
+            f"out_weight), got {len(output_mask)}"
+        )
+    gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
+    rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
+    return (
+        rows() if output_mask[0] else None,
+        block_sum.new_empty(lead, dtype=acc) if output_mask[1] else None,
+        rows() if output_mask[2] else None,
+        torch.empty_like(query) if output_mask[3] else None,
+        query.new_empty(query.shape, dtype=gain_dtype) if output_mask[4] else None,
+        torch.empty_like(out_weight) if output_mask[5] else None,
+    )
+
+
+@torch.library.register_fake("attnres::block_read_merge_normed_inplace")
+def _block_read_merge_normed_inplace_fake(partial_out, lse, block_sum, query, norm_weight,
+                                          out_weight, eps, scale, out_eps):
+    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
+    check_out_norm_args(out_weight, out_eps, block_sum)
+    if not partial_out.is_contiguous():
+        raise ValueError(
+            "partial_out must be contiguous for block_read_merge_normed_inplace (y is written "
+            "into it)"
+        )
+    return None
+
+
 def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
                              block_sum: torch.Tensor, query: torch.Tensor,
                              norm_weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
-                             scale: float = 1.0) -> torch.Tensor:
+                             scale: float = 1.0, out_weight: Optional[torch.Tensor] = None,
+                             out_eps: float = 1e-6) -> torch.Tensor:
     """Phase 2 without autograd (inference, docs/design.md §10): h is written
     into ``partial_out`` (contiguous; the phase-1 output this read consumes)
-    and returned, so the read allocates no new output. Raises when a
-    gradient is wanted. CPU only."""
-    torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
-                                               _as_float(eps, "eps"), _as_float(scale, "scale"))
+    and returned, so the read allocates no new output. With ``out_weight``
+    it is ``RMSNorm(h) * out_weight`` (eps ``out_eps``, fused, §11) that is
+    written. Raises when a gradient is wanted. CPU only."""
+    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
+    if out_weight is None:
+        torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
+                                                   eps_f, scale_f)
+    else:
+        torch.ops.attnres.block_read_merge_normed_inplace(
+            partial_out, lse, block_sum, query, norm_weight, out_weight, eps_f, scale_f,
+            _as_float(out_eps, "out_eps"))
     return partial_out
 
 
 def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
                 norm_weights: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
-                scale: float = 1.0):
+                scale: float = 1.0, out_weight: Optional[torch.Tensor] = None,
+                out_eps: float = 1e-6):
     """Phase 1 of a two-phase Block read (docs/design.md §10): the completed
     ``sources`` read once for the S readers of a block (``queries`` [S, D],
     ``norm_weights`` [S, D] or None). Returns ``(partial_outs, lse)``: S
     tensors [..., D] (each reader's softmax-weighted average over the
     sources, its h when the block has no partial sum yet) and the
     log-sum-exp of each reader's scores [S, ...] (float32; float64 for
-    float64 sources). Differentiable. CPU only."""
-    partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(
-        list(sources), queries, norm_weights, _as_float(eps, "eps"), _as_float(scale, "scale")
-    )
+    float64 sources). With ``out_weight`` (reader 0's output norm, §11)
+    ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
+    reader 0's read, which has no partial sum to merge. Differentiable. CPU
+    only."""
+    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
+    if out_weight is None:
+        partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(
+            list(sources), queries, norm_weights, eps_f, scale_f)
+    else:
+        # h_0 is kept for the backward by the op's autograd when it records.
+        partial_outs, lse, _rstd, _weights, _h, _out_rstd = (
+            torch.ops.attnres.block_reads_normed_fwd(
+                list(sources), queries, norm_weights, out_weight, eps_f, scale_f,
+                _as_float(out_eps, "out_eps"), False))
     return list(partial_outs), lse
 
 
 def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: torch.Tensor,
                      query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, *,
-                     eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+                     eps: float = 1e-6, scale: float = 1.0,
+                     out_weight: Optional[torch.Tensor] = None,
+                     out_eps: float = 1e-6) -> torch.Tensor:
     """Phase 2 (docs/design.md §10): one reader's h from its phase-1
     ``partial_out`` and ``lse`` and the partial ``block_sum``; equal to
     :func:`depth_attention` over the completed sources and ``block_sum``.
-    Differentiable. CPU only."""
-    out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(
-        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
-        _as_float(scale, "scale")
-    )
+    With ``out_weight`` it returns ``RMSNorm(h) * out_weight`` (eps
+    ``out_eps``), the norm fused into the merge (§11), as
+    :func:`depth_attention` does with ``out_weight``. Differentiable. CPU
+    only."""
+    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
+    if out_weight is None:
+        out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(
+            partial_out, lse, block_sum, query, norm_weight, eps_f, scale_f)
+        return out
+    # h is kept for the backward by the op's autograd when it records.
+    out, _h, _rstd, _weight, _out_rstd = torch.ops.attnres.block_read_merge_normed_fwd(
+        partial_out, lse, block_sum, query, norm_weight, out_weight, eps_f, scale_f,
+        _as_float(out_eps, "out_eps"), False)
     return out

@@ -934,3 +934,66 @@ TEST(OutNorm, ModuleReadsAreTheNormOfThePlainReadsInFullAndBlock) {
       },
       "out_eps must be a finite number >= 0");
 }
+
+// Two-phase reads of normed readers fuse the norm into phase 1 (reader 0)
+// and into the merges (docs/design.md §11): same outputs and gradients as
+// one-call normed reads, training and inference.
+TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
+  const int64_t D = 8, S = 3;
+  at::manual_seed(29);
+  std::vector<attnres::AttnResResidual> readers;
+  for (int i = 0; i < 8; ++i) {
+    readers.emplace_back(attnres::AttnResResidualOptions(D)
+                             .dtype(at::kDouble)
+                             .out_norm(attnres::OutNorm::kRMSNorm)
+                             .out_eps(1e-5));
+    torch::NoGradGuard no_grad;
+    readers.back()->query.normal_();
+    readers.back()->out_weight.uniform_(0.5, 1.5);
+  }
+  const at::Tensor emb = at::randn({2, 3, D}, at::kDouble).requires_grad_(true);
+  Tensors inputs = {emb};
+  for (auto& r : readers) {
+    for (const auto& p : r->parameters()) inputs.push_back(p);
+  }
+  auto run = [&](attnres::BlockReads mode, std::vector<std::string>* fns) {
+    attnres::DepthStream stream(emb, S, mode);
+    at::Tensor loss = at::zeros({}, at::kDouble);
+    for (int i = 0; i < 8; ++i) {
+      const at::Tensor y = readers[i](stream);
+      if (fns && y.grad_fn()) fns->push_back(y.grad_fn()->name());
+      loss = loss + y.pow(2).sum();
+      stream.append(at::tanh(y));
+    }
+    return loss;
+  };
+  const at::Tensor want = run(attnres::BlockReads::kOneCall, nullptr);  // learns the order
+  const Tensors want_grads = torch::autograd::grad({want}, inputs);
+  std::vector<std::string> fns;
+  const at::Tensor got = run(attnres::BlockReads::kTwoPhase, &fns);
+  const Tensors got_grads = torch::autograd::grad({got}, inputs);
+  ASSERT_EQ(fns.size(), 8u);
+  for (size_t i = 0; i < fns.size(); ++i) {
+    EXPECT_THAT(fns[i], HasSubstr(i % S == 0 ? "BlockReadsNormedFunction" : "MergeNormedFunction"))
+        << "read " << i;
+  }
+  expect_close(got, want, kOutputTol, "loss");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i], kGradTol, "gradient of input " + std::to_string(i));
+  }
+  {
+    torch::NoGradGuard no_grad;
+    expect_close(run(attnres::BlockReads::kTwoPhase, nullptr),
+                 run(attnres::BlockReads::kOneCall, nullptr), kOutputTol, "inference loss");
+  }
+  // The in-place normed merge refuses inputs that want a gradient.
+  const Tensors completed = leaves(2, {3, D});
+  auto [partials, lse] = attnres::block_reads(completed, at::randn({2, D}, at::kDouble));
+  expect_error<c10::Error>(
+      [&] {
+        attnres::block_read_merge_normed_inplace(
+            partials[1].detach().clone(), lse[1].detach(), completed[0].detach(),
+            at::zeros({D}, at::kDouble), std::nullopt, readers[0]->out_weight);
+      },
+      "block_read_merge_normed_inplace has no derivative");
+}

@@ -28,6 +28,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads(
     const std::optional<at::Tensor>& norm_weights = std::nullopt, double eps = 1e-6,
     double scale = 1.0);
 
+// Phase 1 with reader 0's output norm fused (docs/design.md §11):
+// partials[0] is RMSNorm(h_0) * out_weight (eps out_eps), reader 0's read;
+// the others as block_reads'. Differentiable (out_weight included).
+std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads_normed(
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
+    double eps = 1e-6, double scale = 1.0, double out_eps = 1e-6);
+
 // Phase 2, differentiable: one reader's h from its phase-1 partial output
 // and lse and the partial block sum, equal to depth_attention over the
 // completed sources and block_sum.
@@ -43,6 +51,22 @@ void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& l
                               const at::Tensor& block_sum, const at::Tensor& query,
                               const std::optional<at::Tensor>& norm_weight = std::nullopt,
                               double eps = 1e-6, double scale = 1.0);
+
+// Phase 2 with the fused output norm (docs/design.md §11): y = RMSNorm(h)
+// * out_weight (eps out_eps) for the h block_read_merge returns.
+// Differentiable (out_weight included).
+at::Tensor block_read_merge_normed(const at::Tensor& partial_out, const at::Tensor& lse,
+                                   const at::Tensor& block_sum, const at::Tensor& query,
+                                   const std::optional<at::Tensor>& norm_weight,
+                                   const at::Tensor& out_weight, double eps = 1e-6,
+                                   double scale = 1.0, double out_eps = 1e-6);
+
+// Its inference form: y written into partial_out, as block_read_merge_inplace.
+void block_read_merge_normed_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                                     const at::Tensor& block_sum, const at::Tensor& query,
+                                     const std::optional<at::Tensor>& norm_weight,
+                                     const at::Tensor& out_weight, double eps = 1e-6,
+                                     double scale = 1.0, double out_eps = 1e-6);
 
 // The raw ops (schemas in csrc/ops.cpp).
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd(
@@ -64,6 +88,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
     const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
     const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
     const at::Tensor& rstd, const at::Tensor& weight, double scale,
+    const c10::List<bool>& output_mask);
+
+// (partial_outs, lse, rstd, weights, h_0 (empty unless keep_h), out_rstd)
+using BlockReadsNormedForward = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                                           at::Tensor, at::Tensor, at::Tensor>;
+BlockReadsNormedForward block_reads_normed_fwd(at::TensorList sources, const at::Tensor& queries,
+                                               const std::optional<at::Tensor>& norm_weights,
+                                               const at::Tensor& out_weight, double eps,
+                                               double scale, double out_eps, bool keep_h);
+
+// (grad_sources (the wanted ones), grad_queries, grad_norm_weights, grad_out_weight)
+using BlockReadsNormedBackward =
+    std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
+BlockReadsNormedBackward block_reads_normed_bwd(
+    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+    at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
+    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
+    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
+
+// (out = y, h (empty unless keep_h), rstd, weight, out_rstd)
+using MergeNormedForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+MergeNormedForward block_read_merge_normed_fwd(
+    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, double eps, double scale, double out_eps, bool keep_h);
+
+// (grad_partial_out, grad_lse, grad_block_sum, grad_query, grad_norm_weight, grad_out_weight)
+using MergeNormedBackward =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+MergeNormedBackward block_read_merge_normed_bwd(
+    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+    const at::Tensor& weight, const at::Tensor& out_rstd, double scale,
     const c10::List<bool>& output_mask);
 
 }  // namespace attnres

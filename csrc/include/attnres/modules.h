@@ -190,9 +190,6 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   friend class DepthStream;
   void check_width(const DepthStream& stream) const;
   at::Tensor read_one_call(const DepthStream& stream);
-  // A two-phase read's h with the output norm, when there is one (only
-  // under BlockReads::kTwoPhase: the merge ops do not fuse it yet).
-  at::Tensor out_normed(const at::Tensor& h) const;
   // Whether `other` can join this reader's phase-1 call (one eps, stackable
   // parameters).
   bool can_share_phase_one(const AttnResResidualImpl& other) const;
