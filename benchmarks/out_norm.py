@@ -247,7 +247,7 @@ def main():
     T = 256 if args.quick else 4096
     out = [f"# Fused output norm vs read + separate norm, CPU\n",
            f"Machine: {cpu_name()}; torch {torch.__version__}; command: "
-           f"`python benchmarks/out_norm.py{' --quick' if args.quick else ''}`\n",
+           f"`python benchmarks/out_norm.py {' '.join(sys.argv[1:])}`\n",
            "Load average (1, 5, 15 min) at the start: "
            + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n"]
     parts = args.parts.split(",")

@@ -278,3 +278,18 @@ def test_block_reads_benchmark_quick():
     # Part 1's nine (L, S) rows and part 3's one training row (L = 12, S = 4).
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 10
     assert "block two-phase" in proc.stdout and "training step" in proc.stdout
+
+
+def test_out_norm_benchmark_quick(tmp_path):
+    # Runs end to end on small sizes (results into tmp_path): every read row
+    # (2 dtypes x 2 N x 2 passes) and every model variant is printed.
+    script = ROOT / "benchmarks" / "out_norm.py"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert sum(1 for r in rows if r.split("|")[3].strip() in ("infer", "train")) == 8
+    assert "block, fused norm" in proc.stdout and "training step" in proc.stdout
+    assert list(tmp_path.glob("quick_out_norm_*.md"))
