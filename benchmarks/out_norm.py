@@ -149,6 +149,30 @@ def part_read(T, D, repeats, out):
 # ---- part 2: the example GPT ------------------------------------------------------------
 
 
+def time_models(models, idx, repeats):
+    """Medians of each model's inference forward (torch.no_grad) and
+    training step (forward + backward), interleaved; each model runs once
+    before timing (Block readers learn their order)."""
+    results = {}
+    with torch.no_grad():
+        for m in models.values():
+            m.eval()
+            m(idx)
+        results["inference forward (torch.no_grad)"] = interleaved(
+            {name: (lambda m=m: m(idx)) for name, m in models.items()}, repeats)
+
+    def step(m):
+        _logits, loss = m(idx, idx)
+        loss.backward()
+
+    for m in models.values():
+        m.train()
+        step(m)
+    results["training step (forward + backward)"] = interleaved(
+        {name: (lambda m=m: step(m)) for name, m in models.items()}, max(3, repeats // 2))
+    return results
+
+
 def part_gpt(n_layers, D, B, T, S, repeats, out):
     variants = {
         "standard (RMSNorm)": dict(residual="standard", norm="rmsnorm"),
@@ -166,23 +190,7 @@ def part_gpt(n_layers, D, B, T, S, repeats, out):
                         n_heads=max(1, D // 64), block_size=S, **kw)
         models[name] = GPT(cfg)
     base = "standard (RMSNorm)"
-    results = {}
-    with torch.no_grad():
-        for m in models.values():
-            m.eval()
-            m(idx)  # the Block readers learn their order
-        results["inference forward (torch.no_grad)"] = interleaved(
-            {name: (lambda m=m: m(idx)) for name, m in models.items()}, repeats)
-
-    def step(m):
-        _logits, loss = m(idx, idx)
-        loss.backward()
-
-    for m in models.values():
-        m.train()
-        step(m)
-    results["training step (forward + backward)"] = interleaved(
-        {name: (lambda m=m: step(m)) for name, m in models.items()}, max(3, repeats // 2))
+    results = time_models(models, idx, repeats)
     out.append(f"\n## Example GPT: {n_layers} layers ({2 * n_layers} sublayers), D = {D}, "
                f"B = {B}, T = {T}, Block S = {S}, fp32\n")
     out.append("| variant | " + " | ".join(f"{k}: time / standard (RMSNorm)" for k in results)
@@ -206,23 +214,7 @@ def part_block_reads(n_layers, D, B, T, S, repeats, out):
         models[mode] = GPT(GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
                                      n_heads=max(1, D // 64), residual="block", block_size=S,
                                      norm="rmsnorm", block_reads=mode))
-    results = {}
-    with torch.no_grad():
-        for m in models.values():
-            m.eval()
-            m(idx)  # the readers learn their order
-        results["inference forward (torch.no_grad)"] = interleaved(
-            {mode: (lambda m=m: m(idx)) for mode, m in models.items()}, repeats)
-
-    def step(m):
-        _logits, loss = m(idx, idx)
-        loss.backward()
-
-    for m in models.values():
-        m.train()
-        step(m)
-    results["training step (forward + backward)"] = interleaved(
-        {mode: (lambda m=m: step(m)) for mode, m in models.items()}, max(3, repeats // 2))
+    results = time_models(models, idx, repeats)
     out.append(f"\n## Block GPT, norm=\"rmsnorm\", two-phase reads with the fused norm: "
                f"{n_layers} layers, D = {D}, B = {B}, T = {T}, S = {S}, fp32\n")
     out.append("| block_reads | " + " | ".join(f"{k}: ms | {k}: time / one_call"

@@ -555,33 +555,18 @@ def _block_read_merge_normed_fwd_fake(partial_out, lse, block_sum, query, norm_w
 @torch.library.register_fake("attnres::block_read_merge_normed_bwd")
 def _block_read_merge_normed_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight,
                                       out_weight, h, rstd, weight, out_rstd, scale, output_mask):
-    if not isinstance(block_sum, torch.Tensor):
-        raise ValueError("block_sum must be a tensor [..., D]")
-    check_args([block_sum], query, norm_weight, 0.0, scale)
-    _check_like(grad_out, "grad_out", block_sum, "block_sum's")
-    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
-    check_out_norm_args(out_weight, 0.0, block_sum)
-    _check_like(h, "h (the forward's read before the output norm)", block_sum, "block_sum's")
-    acc = _acc_dtype(block_sum.dtype)
-    lead = block_sum.shape[:-1]
-    _check_stat(rstd, "rstd", lead, acc, block_sum)
-    _check_stat(weight, "weight", lead, acc, block_sum)
-    _check_stat(out_rstd, "out_rstd", lead, acc, block_sum)
     if len(output_mask) != 6:
         raise ValueError(
             "output_mask must have 6 entries (partial_out, lse, block_sum, query, norm_weight, "
             f"out_weight), got {len(output_mask)}"
         )
-    gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
-    rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
-    return (
-        rows() if output_mask[0] else None,
-        block_sum.new_empty(lead, dtype=acc) if output_mask[1] else None,
-        rows() if output_mask[2] else None,
-        torch.empty_like(query) if output_mask[3] else None,
-        query.new_empty(query.shape, dtype=gain_dtype) if output_mask[4] else None,
-        torch.empty_like(out_weight) if output_mask[5] else None,
-    )
+    # The plain merge's checks and gradients, then what the norm adds.
+    grads = _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd,
+                                       weight, scale, output_mask[:5])
+    check_out_norm_args(out_weight, 0.0, block_sum)
+    _check_like(h, "h (the forward's read before the output norm)", block_sum, "block_sum's")
+    _check_stat(out_rstd, "out_rstd", block_sum.shape[:-1], _acc_dtype(block_sum.dtype), block_sum)
+    return (*grads, torch.empty_like(out_weight) if output_mask[5] else None)
 
 
 @torch.library.register_fake("attnres::block_read_merge_normed_inplace")
