@@ -14,6 +14,7 @@
 #include <string>
 
 #include "attnres/arguments.h"
+#include "attnres/gradient_cache.h"
 #include "attnres/op_sequence.h"
 #include "autograd_helpers.h"
 #include "cpu/block_reads_cpu.h"
@@ -158,7 +159,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
-      grads[i] = at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous));
+      grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
     }
   }
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
@@ -231,9 +232,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
   check_cpu_capability();
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z;
-  if (output_mask.get(0)) d_partial = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(0)) d_partial = detail::empty_gradient(block_sum.sizes(), rows);
   if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (output_mask.get(2)) d_block = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(2)) d_block = detail::empty_gradient(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (p.T > 0) {
     const at::Tensor u = effective_query(query, norm_weight, scale, acc);
@@ -305,7 +306,7 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
-      grads[i] = at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous));
+      grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
     }
   }
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
@@ -405,9 +406,9 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
   check_cpu_capability();
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z, d_out_weight;
-  if (output_mask.get(0)) d_partial = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(0)) d_partial = detail::empty_gradient(block_sum.sizes(), rows);
   if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (output_mask.get(2)) d_block = at::empty(block_sum.sizes(), rows);
+  if (output_mask.get(2)) d_block = detail::empty_gradient(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (output_mask.get(5)) d_out_weight = at::zeros({p.D}, out_weight.options().dtype(acc));
   if (p.T > 0) {

@@ -1,6 +1,8 @@
 // See include/attnres/op_sequence.h.
 #include "attnres/op_sequence.h"
 
+#include "attnres/gradient_cache.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 
@@ -90,10 +92,9 @@ BackwardResult backward_sequence(const DeviceKernels& kernels, const DepthProble
   if (kernels.check_supported) kernels.check_supported(p);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
-  const auto grad_options = src0.options().memory_format(at::MemoryFormat::Contiguous);
   std::vector<at::Tensor> grads(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (output_mask.get(i)) grads[i] = at::empty(src0.sizes(), grad_options);
+    if (output_mask.get(i)) grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
   }
   const bool want_query = output_mask.get(p.N);
   const bool want_gain = output_mask.get(p.N + 1);

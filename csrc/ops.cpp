@@ -4,6 +4,8 @@
 // include/attnres/ops.h.
 #include "attnres/ops.h"
 
+#include "attnres/gradient_cache.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -127,6 +129,18 @@ TORCH_LIBRARY(attnres, m) {
       "block_read_merge_normed_inplace(Tensor(a!) partial_out, Tensor lse, "
       "Tensor block_sum, Tensor query, Tensor? norm_weight, Tensor out_weight, "
       "float eps, float scale, float out_eps) -> ()");
+
+  // The CPU gradient cache (attnres/gradient_cache.h): no tensor arguments,
+  // one kernel for every device. Stats: [limit_bytes, cached_bytes,
+  // cached_blocks, in_use_bytes, hits, misses].
+  m.def("cpu_gradient_cache_stats() -> int[]", [] {
+    const attnres::GradientCacheStats s = attnres::cpu_gradient_cache_stats();
+    return std::vector<int64_t>{s.limit_bytes, s.cached_bytes, s.cached_blocks,
+                                s.in_use_bytes, s.hits, s.misses};
+  });
+  m.def("set_cpu_gradient_cache_limit(int limit_bytes) -> ()",
+        [](int64_t bytes) { attnres::set_cpu_gradient_cache_limit(bytes); });
+  m.def("empty_cpu_gradient_cache() -> ()", [] { attnres::empty_cpu_gradient_cache(); });
 }
 
 namespace attnres {

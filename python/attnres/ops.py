@@ -652,3 +652,38 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
         partial_out, lse, block_sum, query, norm_weight, out_weight, eps_f, scale_f,
         _as_float(out_eps, "out_eps"), False)
     return out
+
+
+# --------------------------------------------------------------------------- CPU gradient cache
+
+_CACHE_STAT_NAMES = ("limit_bytes", "cached_bytes", "cached_blocks", "in_use_bytes", "hits",
+                     "misses")
+
+
+def cpu_gradient_cache_stats() -> dict:
+    """The CPU gradient cache's state: ``limit_bytes`` (most bytes of freed
+    gradient blocks kept), ``cached_bytes`` / ``cached_blocks`` (kept now),
+    ``in_use_bytes`` (handed out, not freed yet), ``hits`` / ``misses``
+    (allocations served by a kept block / by the system allocator).
+
+    The backward ops take their large (>= 1 MiB) CPU gradient outputs from
+    this cache, so a training loop does not fault them in from the OS every
+    step (glibc returns freed blocks of many MiB to it). Default limit 1 GiB,
+    ``ATTNRES_CPU_GRAD_CACHE_MB`` at the first use; 0 turns it off."""
+    return dict(zip(_CACHE_STAT_NAMES, torch.ops.attnres.cpu_gradient_cache_stats()))
+
+
+def set_cpu_gradient_cache_limit(limit_bytes: int) -> None:
+    """Keep at most ``limit_bytes`` of freed CPU gradient blocks (0: off);
+    blocks beyond the new limit are returned to the system now."""
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, numbers.Integral):
+        raise TypeError(f"limit_bytes must be an int, got {type(limit_bytes).__name__}")
+    if limit_bytes < 0:
+        raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
+    torch.ops.attnres.set_cpu_gradient_cache_limit(int(limit_bytes))
+
+
+def empty_cpu_gradient_cache() -> None:
+    """Return every kept (freed) CPU gradient block to the system; gradients
+    in use are not affected."""
+    torch.ops.attnres.empty_cpu_gradient_cache()

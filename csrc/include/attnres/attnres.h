@@ -2,7 +2,8 @@
 //   - ops.h:     attnres::depth_attention (differentiable; autograd in C++)
 //                and the raw ops depth_attention_fwd / depth_attention_bwd,
 //   - modules.h: attnres::DepthStream and the torch::nn module
-//                attnres::AttnResResidual.
+//                attnres::AttnResResidual,
+//   - gradient_cache.h: the CPU gradient cache's limit and statistics.
 // Link the op library, CMake target attnres::attnres:
 //   find_package(attnres CONFIG REQUIRED)
 //   target_link_libraries(app PRIVATE attnres::attnres)
@@ -12,5 +13,6 @@
 #pragma once
 
 #include "attnres/block_reads.h"
+#include "attnres/gradient_cache.h"
 #include "attnres/modules.h"
 #include "attnres/ops.h"
