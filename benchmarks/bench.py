@@ -39,7 +39,9 @@ Bytes the op must move (docs/design.md §5), e = element size:
   fwd+bwd: the sum.
 GB/s is that count over the median time; "% copy" is it over the copy
 bandwidth (bytes read + written per second of a large tensor copy) measured
-on the same device in the same run.
+on the same device in the same run. CPU, attnres rows: "% next copy" is the
+time of a copy of the same bytes timed right after the row over the row's
+time (a shared machine's bandwidth drifts during a run).
 
 Shapes (CUDA): --shapes priority: bf16 T=65536, N in {9, 17, 33} x D in
 {4096, 1024, 7168} (the headline bf16 N=9 D=4096 first); --shapes rest: the
@@ -124,7 +126,7 @@ import peers  # noqa: E402  (benchmarks/peers.py)
 RESULTS = os.path.join(HERE, "results")
 
 COLUMNS = ["machine", "device", "dtype", "N", "tokens", "D", "pass", "impl", "ms", "gbps",
-           "pct_copy_bw", "peak_mib", "samples", "calls_per_sample", "rel_err", "note"]
+           "pct_copy_bw", "pct_copy_next", "peak_mib", "samples", "calls_per_sample", "rel_err", "note"]
 OVERHEAD_COLUMNS = ["machine", "dtype", "N", "tokens", "D", "requires_grad", "impl", "us_per_call",
                     "iqr_us", "min_us", "cpu_us_per_call", "cpu_iqr_us", "blocks", "calls_per_block", "git_head"]
 IMPLS = ("attnres", "eager", "compile", "fla", "liger")
@@ -398,6 +400,19 @@ def peak_bytes(device: str, call, arg=None, has_arg=False) -> int:
     return peak
 
 
+def copy_next_pct(timer: "DeviceTimer", n_bytes: int, seconds: float) -> str:
+    """CPU: a tensor copy moving n_bytes (half read, half written), timed right
+    after the row it is compared with; its time over that row's, in percent.
+    On a shared machine the bandwidth drifts during a run, and the copy
+    measured at the start can be far from the one a row met."""
+    src = torch.empty(n_bytes // 2, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s, _, _ = timer.measure(lambda: dst.copy_(src))
+    del src, dst
+    return f"{100 * copy_s / seconds:.3g}"
+
+
 def copy_bandwidth_gbps(device: str, timer: DeviceTimer, n_bytes: int) -> float:
     """Bytes read + written per second of a large tensor copy."""
     src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
@@ -590,8 +605,11 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
         "",
         "GB/s counts the bytes the op must move (docs/design.md §5; fwd: (N+1)·tokens·D elements, "
         "bwd: (2N+1)·tokens·D, (2N+2) where the CPU backward is single-pass and reads h (float32/float64), "
-        "fwd+bwd: the sum); % is of the copy bandwidth above. "
-        "fwd: forward alone, recording the graph; bwd: autograd.grad of a recorded forward (the forward "
+        "fwd+bwd: the sum); % is of the copy bandwidth above"
+        + ("; \"% next copy\": a copy of the same bytes timed right after the row, its time over "
+           "the row's (the machine's bandwidth drifts during a run on a shared machine). "
+           if not ctx["cuda"] else ". ")
+        + "fwd: forward alone, recording the graph; bwd: autograd.grad of a recorded forward (the forward "
         "not timed); fwd+bwd: both; inputs require grad in all passes. \"vs X\": X's time / attnres "
         "time (> 1: attnres faster). MiB: peak memory of one call, "
         + ("torch.cuda.max_memory_allocated() minus the bytes allocated before the call."
@@ -601,11 +619,12 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
         + " err: ||h - h_attnres|| / ||h_attnres|| of the forward output.",
         "",
         "| dtype | N | tokens | D | pass | attnres ms | GB/s | % copy | "
+        + ("" if ctx["cuda"] else "% next copy | ")
         + "".join(f"{i} ms | " for i in others)
         + "".join(f"vs {i} | " for i in others)
         + "".join(f"{i} MiB | " for i in present)
         + "".join(f"{i} err | " for i in others),
-        "|" + "---|" * (8 + 2 * len(others) + len(present) + len(others)),
+        "|" + "---|" * (8 + (not ctx["cuda"]) + 2 * len(others) + len(present) + len(others)),
     ]
     by_key = {}
     for r in measured:
@@ -629,6 +648,8 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
 
         cells = [dt, n, t, d, p, ms(ours), ours["gbps"] if ours else "–",
                  ours["pct_copy_bw"] + "%" if ours else "–"]
+        if not ctx["cuda"]:
+            cells.append(ours["pct_copy_next"] + "%" if ours and ours.get("pct_copy_next") else "–")
         cells += [ms(impls.get(i)) for i in others]
         cells += [ratio(impls.get(i)) for i in others]
         cells += [mib(impls.get(i)) for i in present]
@@ -851,16 +872,21 @@ def run_benchmark(args) -> int:
                     continue
                 ms = seconds * 1e3
                 reads_h = dtype in (torch.float32, torch.float64)
-                gbps = floor_bytes(pass_name, N, T, D, elem, reads_h) / seconds / 1e9
+                n_floor = floor_bytes(pass_name, N, T, D, elem, reads_h)
+                gbps = n_floor / seconds / 1e9
+                pct_next = copy_next_pct(timer, n_floor, seconds) if impl == "attnres" and not cuda else ""
                 row = {**base_row(dtype_name, N, T, D, pass_name, impl),
                        "ms": f"{ms:.6g}", "gbps": f"{gbps:.4g}", "pct_copy_bw": f"{100 * gbps / copy_gbps:.3g}",
+                       "pct_copy_next": pct_next,
                        "peak_mib": f"{peak / 2**20:.2f}", "samples": samples, "calls_per_sample": per,
                        "rel_err": rel_err, "note": ""}
                 out.add(row)
                 rows.append(row)
                 out.write_md(results_md(ctx, rows, skipped, time.monotonic() - t_start, done=False))
                 print(f"{tag} {pass_name:7s} {impl:8s} {fmt_ms(ms):>9s} ms {gbps:8.1f} GB/s "
-                      f"{100 * gbps / copy_gbps:5.1f}% of copy, peak {peak / 2**20:8.1f} MiB"
+                      f"{100 * gbps / copy_gbps:5.1f}% of copy"
+                      + (f" ({pct_next}% of the next copy)" if pct_next else "")
+                      + f", peak {peak / 2**20:8.1f} MiB"
                       + (f", rel err {rel_err}" if rel_err else ""), flush=True)
             del case
         del sets, h_ours

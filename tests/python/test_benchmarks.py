@@ -75,12 +75,14 @@ def test_quick_cpu_table(tmp_path, bench_module):
             assert float(r["rel_err"]) < 1e-2, r
         assert r["device"] == "cpu"
         assert float(r["ms"]) > 0 and float(r["gbps"]) > 0 and float(r["pct_copy_bw"]) > 0
+        # Ours gets a copy of the same bytes timed right after it; the others not.
+        assert (float(r["pct_copy_next"]) > 0) if r["impl"] == "attnres" else r["pct_copy_next"] == ""
         assert float(r["peak_mib"]) >= 0
         assert int(r["samples"]) >= 1 and int(r["calls_per_sample"]) >= 1
     # The op's forward output alone is tokens x D elements, allocated in the call.
     fwd = next(r for r in rows if r["impl"] == "attnres" and r["pass"] == "fwd" and r["dtype"] == "float32")
     assert float(fwd["peak_mib"]) * 2**20 >= int(fwd["tokens"]) * int(fwd["D"]) * 4 * 0.99
-    assert "copy bandwidth" in md and "torch " in md and "| attnres ms |" in md
+    assert "copy bandwidth" in md and "torch " in md and "| attnres ms |" in md and "% next copy" in md
 
 
 def test_quick_overhead(tmp_path, bench_module):
