@@ -20,9 +20,26 @@
 # Results: benchmarks/results/ and, when $OUT is set, $OUT: the CSV rows and
 # the log go there as they are written; the rest is copied at the end and by
 # an EXIT trap, so a run stopped early still returns what it had.
+#
+# CPU dry run (GPU_CHECK_DRY_RUN=1; tests/python/test_benchmarks.py runs it
+# in CI): every stage's code on the CPU with the package as built (no CMake
+# build, no peers' warm-up), small shapes (bench.py --quick, bench_model.py
+# --tiny), the smoke and sanitizer scripts on the CPU without
+# compute-sanitizer, results in $GPU_CHECK_RESULTS (default: a temporary
+# folder, never benchmarks/results/), so a broken stage shows up here and
+# not in the one call a GPU machine gives.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
+if [ "$DRY_RUN" = 1 ]; then
+  DEV=cpu; KERNEL_KEY=CPU
+  RESULTS=${GPU_CHECK_RESULTS:-$(mktemp -d /tmp/gpu-check-dry-XXXXXX)}
+else
+  DEV=cuda; KERNEL_KEY=CUDA
+  RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}
+fi
+export GPU_CHECK_DEVICE=$DEV     # read by the Python stages below
 TOTAL_S=${GPU_CHECK_TOTAL_S:-460}
 BUILD_S=${BUILD_S:-240}          # build cap
 WARM_S=${WARM_S:-200}            # peers' background warm-up cap (overlaps the build)
@@ -32,12 +49,14 @@ MODEL_IMPL_S=${MODEL_IMPL_S:-80} # whole-model step, per implementation
 TESTS_S=${TESTS_S:-120}          # long tests: at most this, at least TESTS_MIN_S if started
 TESTS_MIN_S=${TESTS_MIN_S:-30}
 SANITIZE_S=${SANITIZE_S:-40}     # compute-sanitizer: kept for the end
-RESULTS=benchmarks/results
 LOG="$RESULTS/gpu_check.log"
 PEERS_DIR=${PEERS_DIR:-/tmp/attnres-peers-site}
 # The priority shapes; tests/python/test_benchmarks.py checks they are bench.py's cuda_shapes("priority").
 PRIORITY_SHAPES="bf16:9:65536:4096,bf16:9:65536:1024,bf16:9:65536:7168,bf16:17:65536:4096,bf16:17:65536:1024,bf16:17:65536:7168,bf16:33:65536:4096,bf16:33:65536:1024,bf16:33:65536:7168"
 BENCH_IMPLS=${BENCH_IMPLS:-attnres,eager,fla,liger,compile}
+# The dry run leaves torch.compile out (CPU inductor compiles take minutes
+# here; tests/python/test_benchmarks.py's quick CPU table times it).
+[ "$DRY_RUN" = 1 ] && BENCH_IMPLS=${GPU_CHECK_DRY_BENCH_IMPLS:-attnres,eager,fla,liger}
 MODEL_IMPLS=${MODEL_IMPLS:-attnres fla eager}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md  # this run's rows only (appended stage by stage)
@@ -92,6 +111,7 @@ run_all() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
   command -v nvcc >/dev/null && nvcc --version | tail -1
   nproc
+  [ "$DRY_RUN" = 1 ] && echo "DRY RUN on the CPU: results in $RESULTS"
 
   export PYTHONPATH=python
   install_peers
@@ -100,9 +120,14 @@ run_all() {
   # The GPU idles while the extension builds: compile (and, for FLA,
   # autotune) the peers' kernels for the priority shapes now. Killed before
   # the benchmark starts, whatever it has done by then.
-  echo "== peers' warm-up in the background (up to ${WARM_S} s, while building)"
-  timeout -k 5 "$WARM_S" python3 benchmarks/peers.py --warmup --shapes "$PRIORITY_SHAPES" \
-    --deadline-s $(( WARM_S - 20 )) > "$RESULTS/peers_warmup.log" 2>&1 &
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "== peers' warm-up: dry run, skipped (the peers run on CUDA only)"
+    sleep 1 > "$RESULTS/peers_warmup.log" &
+  else
+    echo "== peers' warm-up in the background (up to ${WARM_S} s, while building)"
+    timeout -k 5 "$WARM_S" python3 benchmarks/peers.py --warmup --shapes "$PRIORITY_SHAPES" \
+      --deadline-s $(( WARM_S - 20 )) > "$RESULTS/peers_warmup.log" 2>&1 &
+  fi
   WARM_PID=$!
 
   echo "== build ($(elapsed) s)"
@@ -111,6 +136,10 @@ run_all() {
   # and the Python module, copied into the package as setup.py does.
   (
     set -e
+    if [ "$DRY_RUN" = 1 ]; then
+      echo "attnres: dry run: no build, the package as built ($(python3 -c 'import attnres, os; print(os.path.dirname(attnres.__file__))'))"
+      exit 0
+    fi
     TORCH_CUDA_ARCH_LIST=9.0 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
       -DPython3_EXECUTABLE="$(command -v python3)" -DATTNRES_BUILD_PYTHON=ON
@@ -128,15 +157,17 @@ run_all() {
   if command -v cuobjdump >/dev/null; then
     cuobjdump --dump-resource-usage python/attnres/libattnres.so > "$RESULTS/resource_usage.txt" 2>&1
   fi
-  # Fail fast: a build without CUDA kernels would spend the call on nothing.
-  if ! python3 -c "import sys, torch, attnres; ok = torch._C._dispatch_has_kernel_for_dispatch_key('attnres::depth_attention_fwd', 'CUDA'); print('attnres CUDA kernels registered:', ok); sys.exit(0 if ok else 1)"; then
-    echo "NO CUDA KERNELS in the build: stopping"
+  # Fail fast: a build without CUDA kernels would spend the call on nothing
+  # (the dry run asks the same of the CPU kernels).
+  if ! python3 -c "import sys, torch, attnres; ok = torch._C._dispatch_has_kernel_for_dispatch_key('attnres::depth_attention_fwd', '$KERNEL_KEY'); print('attnres $KERNEL_KEY kernels registered:', ok); sys.exit(0 if ok else 1)"; then
+    echo "NO $KERNEL_KEY KERNELS in the build: stopping"
     return 1
   fi
 
-  echo "== smoke check: CUDA vs CPU kernels, forward and backward ($(elapsed) s)"
+  echo "== smoke check: $DEV vs CPU kernels, forward and backward ($(elapsed) s)"
   timeout "$SMOKE_S" python3 - <<'PY'
-import torch, attnres
+import os, torch, attnres
+DEV = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 bad = 0
 for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
     for n, t, d in ((1, 5, 3), (7, 33, 64), (65, 9, 1000), (3, 4, 7186), (2, 3, 16384)):
@@ -146,7 +177,7 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         q, w = (torch.randn(d, generator=g) / d**0.5).to(pd), (1 + 0.2 * torch.randn(d, generator=g)).to(pd)
         dh = torch.randn(t, d, generator=g).to(dtype)
         outs = []
-        for dev in ("cpu", "cuda"):
+        for dev in ("cpu", DEV):
             f = torch.ops.attnres.depth_attention_fwd([s.to(dev) for s in src], q.to(dev), w.to(dev), 1e-6, 0.8)
             b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [s.to(dev) for s in src], q.to(dev), w.to(dev), *f, 0.8, [True] * (n + 2))
             outs.append([f[0], f[2], *b[0], b[1], b[2]])
@@ -158,7 +189,7 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         # every gradient (out_weight's too), CUDA vs CPU, gradient tolerance.
         ow = (1 + 0.2 * torch.randn(d, generator=g)).to(pd)
         outs = []
-        for dev in ("cpu", "cuda"):
+        for dev in ("cpu", DEV):
             s_, q_, w_, ow_ = [s.to(dev) for s in src], q.to(dev), w.to(dev), ow.to(dev)
             y, h, r, a, ro = torch.ops.attnres.depth_attention_normed_fwd(s_, q_, w_, ow_, 1e-6, 0.8, 1e-5, True)
             b = torch.ops.attnres.depth_attention_normed_bwd(dh.to(dev), None, s_, q_, w_, ow_, h, r, a, ro, 0.8, [True] * (n + 3))
@@ -186,8 +217,13 @@ PY
   c=$(cap "$PRIORITY_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
   echo "== benchmark, priority shapes ($(elapsed) s elapsed, cap ${c} s)"
   if [ "$c" -gt 30 ]; then
-    timeout -k 10 "$c" python3 benchmarks/bench.py --device cuda --shapes priority --impls "$BENCH_IMPLS" \
-      --append --budget-s $(( c - 25 ))
+    if [ "$DRY_RUN" = 1 ]; then
+      timeout -k 10 "$c" python3 benchmarks/bench.py --device cpu --quick --impls "$BENCH_IMPLS" \
+        --out-dir "$RESULTS" --append --budget-s $(( c - 25 ))
+    else
+      timeout -k 10 "$c" python3 benchmarks/bench.py --device cuda --shapes priority --impls "$BENCH_IMPLS" \
+        --out-dir "$RESULTS" --append --budget-s $(( c - 25 ))
+    fi
     echo "bench.py priority rc=$?"
   else
     echo "no time left"
@@ -204,7 +240,13 @@ PY
     k=$(( k - 1 ))
     echo "== whole-model step: $impl ($(elapsed) s elapsed, cap ${c} s)"
     if [ "$c" -gt 30 ]; then
-      timeout -k 10 "$c" python3 benchmarks/bench_model.py --device cuda --impls "$impl" --append --min-run-s 1 --warmup 2
+      if [ "$DRY_RUN" = 1 ]; then
+        timeout -k 10 "$c" python3 benchmarks/bench_model.py --device cpu --tiny --impls "$impl" \
+          --out-dir "$RESULTS" --append --min-run-s 0.01 --warmup 1
+      else
+        timeout -k 10 "$c" python3 benchmarks/bench_model.py --device cuda --impls "$impl" --out-dir "$RESULTS" \
+          --append --min-run-s 1 --warmup 2
+      fi
       echo "bench_model.py $impl rc=$?"
     else
       echo "no time left"
@@ -213,9 +255,11 @@ PY
 
   c=$(cap 100000 $(( TESTS_S + SANITIZE_S )))
   echo "== benchmark, the rest of the shapes ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -gt 40 ]; then
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "dry run: skipped (the grid is GPU-sized; the --quick run above took the same code path)"
+  elif [ "$c" -gt 40 ]; then
     timeout -k 10 "$c" python3 benchmarks/bench.py --device cuda --shapes rest --impls "$BENCH_IMPLS" \
-      --append --budget-s $(( c - 30 ))
+      --out-dir "$RESULTS" --append --budget-s $(( c - 30 ))
     echo "bench.py rest rc=$?"
   else
     echo "no time left"
@@ -257,28 +301,35 @@ out_norm_stage() {
     return 0
   fi
   timeout -k 5 "$c" python3 - <<'PY' 2>&1 | tee "$RESULTS/gpu_out_norm.md"
-import torch, attnres
+import os, time, torch, attnres
 import torch.nn.functional as F
+
+DEV = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 
 def median_ms(fn, reps=15):
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        if DEV == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); fn(); b.record(); torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
+print(f"device {DEV}")
 print("| bf16 N, T, D | pass | fused ms | read + rms_norm ms | unfused / fused |")
 print("|---|---|---|---|---|")
-for n, t, d in ((9, 65536, 4096), (17, 65536, 1024)):
-    g = torch.Generator(device="cuda").manual_seed(n * d)
-    src = [torch.randn(t, d, device="cuda", generator=g).bfloat16().requires_grad_(True) for _ in range(n)]
-    q = (torch.randn(d, device="cuda", generator=g) / d**0.5).requires_grad_(True)
-    w = torch.ones(d, device="cuda", requires_grad=True)
-    ow = torch.ones(d, device="cuda", requires_grad=True)
-    dy = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+shapes = ((9, 65536, 4096), (17, 65536, 1024)) if DEV == "cuda" else ((3, 64, 256),)
+for n, t, d in shapes:
+    g = torch.Generator(device=DEV).manual_seed(n * d)
+    src = [torch.randn(t, d, device=DEV, generator=g).bfloat16().requires_grad_(True) for _ in range(n)]
+    q = (torch.randn(d, device=DEV, generator=g) / d**0.5).requires_grad_(True)
+    w = torch.ones(d, device=DEV, requires_grad=True)
+    ow = torch.ones(d, device=DEV, requires_grad=True)
+    dy = torch.randn(t, d, device=DEV, generator=g).bfloat16()
     fused = lambda: attnres.depth_attention(src, q, w, out_weight=ow, out_eps=1e-5)
     unfused = lambda: F.rms_norm(attnres.depth_attention(src, q, w), (d,), ow.bfloat16(), 1e-5)
     for name, run in (("infer", lambda f: f()), ("train", lambda f: torch.autograd.grad(f(), src + [q, w, ow], dy))):
@@ -287,7 +338,8 @@ for n, t, d in ((9, 65536, 4096), (17, 65536, 1024)):
             tf, tu = median_ms(lambda: run(fused)), median_ms(lambda: run(unfused))
         print(f"| {n}, {t}, {d} | {name} | {tf:.3f} | {tu:.3f} | {tu / tf:.2f} |", flush=True)
     del src, dy
-    torch.cuda.empty_cache()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
 PY
   echo "out_norm stage rc=${PIPESTATUS[0]}"
 }
@@ -305,7 +357,7 @@ sanitize_stage() {
   [ $left -lt $budget ] && budget=$left
   echo "== compute-sanitizer ($(elapsed) s elapsed, ${budget} s)"
   local summary="$RESULTS/sanitize.txt"
-  if ! command -v compute-sanitizer >/dev/null; then
+  if [ "$DRY_RUN" != 1 ] && ! command -v compute-sanitizer >/dev/null; then
     echo "compute-sanitizer: not installed (skipped)" | tee "$summary"
     return 0
   fi
@@ -315,8 +367,8 @@ sanitize_stage() {
   fi
   local script="$RESULTS/sanitize_shapes.py"
   cat > "$script" <<'PY'
-import torch, attnres
-dev = "cuda"
+import os, torch, attnres
+dev = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 cases = [  # dtype, N, T, D, layout
     (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, single-pass backward
     (torch.float32, 5, 9, 1000, "contiguous"),   # warp per token
@@ -363,12 +415,21 @@ for dtype, n, t, d, layout in cases:
     torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, False)
     for want_ow in (True, False):
         torch.ops.attnres.depth_attention_normed_bwd(y, None, x, q.detach(), w.detach(), ow, hk, r, a, ro, 1.0, [True] * (n + 2) + [want_ow])
-    torch.cuda.synchronize()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     print("ran", dtype, n, t, d, layout, flush=True)
 print("sanitize shapes: done")
 PY
   local status=ok tool rc
   : > "$summary"
+  if [ "$DRY_RUN" = 1 ]; then
+    # The shapes script itself, on the CPU, without compute-sanitizer.
+    timeout "$budget" python3 "$script" > "$RESULTS/sanitize_dry.out" 2>&1
+    rc=$?
+    echo "dry run: sanitizer shapes on the CPU without compute-sanitizer: rc=$rc ($(grep -c '^ran' "$RESULTS/sanitize_dry.out") shapes)" | tee "$summary"
+    [ $rc -eq 0 ]
+    return
+  fi
   for tool in memcheck racecheck; do
     local each=$(( budget / 2 ))
     timeout "$each" compute-sanitizer --tool "$tool" --error-exitcode 99 \

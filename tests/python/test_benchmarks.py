@@ -295,3 +295,32 @@ def test_out_norm_benchmark_quick(tmp_path):
     assert sum(1 for r in rows if r.split("|")[3].strip() in ("infer", "train")) == 8
     assert "block, fused norm" in proc.stdout and "training step" in proc.stdout
     assert list(tmp_path.glob("quick_out_norm_*.md"))
+
+
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh's CPU dry run: every stage's code (smoke check,
+    bench.py, the out-norm stage, bench_model.py per implementation, the long
+    tests, the sanitizer's shapes script) runs on the CPU with small shapes,
+    rows reach $OUT as measured, nothing is written to benchmarks/results/."""
+    results, out = tmp_path / "results", tmp_path / "out"
+    env = dict(os.environ)
+    env.update(GPU_CHECK_DRY_RUN="1", GPU_CHECK_RESULTS=str(results), OUT=str(out),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
+    before = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    proc = subprocess.run(["bash", str(GPU_CHECK)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    log = proc.stdout
+    assert proc.returncode == 0, f"stdout:\n{log[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    for expected in ("DRY RUN on the CPU", "attnres CPU kernels registered: True",
+                     "smoke check: 0 failure(s)", "smoke rc=0", "bench.py priority rc=0",
+                     "out_norm stage rc=0", "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
+                     "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
+        assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
+    assert "FAIL" not in log.replace("failure(s)", "")
+    assert (out / "gpu_check.log").read_text() == log
+    bench_rows = list(csv.DictReader(open(next(out.glob("cpu_quick_*.csv")), newline="")))
+    assert any(r["impl"] == "attnres" and float(r["ms"]) > 0 for r in bench_rows)
+    model_rows = list(csv.DictReader(open(next(out.glob("cpu_model_tiny_*.csv")), newline="")))
+    assert {r["impl"] for r in model_rows} >= {"attnres", "eager"}
+    assert "| bf16 N, T, D | pass |" in (results / "gpu_out_norm.md").read_text()
+    assert sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir()) == before
