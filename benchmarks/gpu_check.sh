@@ -121,14 +121,13 @@ run_all() {
   # autotune) the peers' kernels for the priority shapes now. Killed before
   # the benchmark starts, whatever it has done by then.
   if [ "$DRY_RUN" = 1 ]; then
-    echo "== peers' warm-up: dry run, skipped (the peers run on CUDA only)"
-    sleep 1 > "$RESULTS/peers_warmup.log" &
+    echo "== peers' warm-up: dry run, skipped (the peers run on CUDA only)" | tee "$RESULTS/peers_warmup.log"
   else
     echo "== peers' warm-up in the background (up to ${WARM_S} s, while building)"
     timeout -k 5 "$WARM_S" python3 benchmarks/peers.py --warmup --shapes "$PRIORITY_SHAPES" \
       --deadline-s $(( WARM_S - 20 )) > "$RESULTS/peers_warmup.log" 2>&1 &
+    WARM_PID=$!
   fi
-  WARM_PID=$!
 
   echo "== build ($(elapsed) s)"
   # CMake directly (CMakeLists.txt is the one build description; setup.py
@@ -203,12 +202,14 @@ PY
   echo "smoke rc=$?"
 
   # The warm-up must not overlap the timed calls.
-  if kill -0 "$WARM_PID" 2>/dev/null; then
-    echo "peers' warm-up still running after the build: stopping it"
-    kill -TERM "$WARM_PID" 2>/dev/null
+  if [ -n "$WARM_PID" ]; then
+    if kill -0 "$WARM_PID" 2>/dev/null; then
+      echo "peers' warm-up still running after the build: stopping it"
+      kill -TERM "$WARM_PID" 2>/dev/null
+    fi
+    wait "$WARM_PID" 2>/dev/null
+    WARM_PID=""
   fi
-  wait "$WARM_PID" 2>/dev/null
-  WARM_PID=""
   tail -12 "$RESULTS/peers_warmup.log"
 
   # Later stages keep: model (3 impls) ~ a third of the rest, tests

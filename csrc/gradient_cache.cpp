@@ -63,16 +63,16 @@ class GradientCache final : public c10::Allocator {
           free_.erase(std::next(it).base());
           cached_bytes_ -= static_cast<int64_t>(size);
           ++hits_;
+          mark_in_use_locked(ptr, size);
           break;
         }
       }
       if (ptr == nullptr) ++misses_;
     }
-    if (ptr == nullptr) ptr = c10::alloc_cpu(size);
-    {
+    if (ptr == nullptr) {
+      ptr = c10::alloc_cpu(size);  // outside the lock: it may fault pages in
       std::lock_guard<std::mutex> lock(mutex_);
-      in_use_[ptr] = size;
-      in_use_bytes_ += static_cast<int64_t>(size);
+      mark_in_use_locked(ptr, size);
     }
     c10::profiledCPUMemoryReporter().New(ptr, size);
     return {ptr, ptr, &GradientCache::release, c10::Device(c10::DeviceType::CPU)};
@@ -145,6 +145,11 @@ class GradientCache final : public c10::Allocator {
       }
     }
     for (void* p : to_free) c10::free_cpu(p);
+  }
+
+  void mark_in_use_locked(void* ptr, size_t size) {
+    in_use_[ptr] = size;
+    in_use_bytes_ += static_cast<int64_t>(size);
   }
 
   // Drops the oldest free blocks until `room` more bytes fit under the limit.
