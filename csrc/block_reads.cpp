@@ -126,8 +126,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_re
   const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
   std::vector<at::Tensor> partial_outs;
   for (int64_t s = 0; s < S; ++s) {
-    partial_outs.push_back(
-        at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous)));
+    partial_outs.push_back(detail::empty_cached(src0.sizes(), src0.options()));
   }
   at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
@@ -159,7 +158,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
-      grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
+      grads[i] = detail::empty_cached(src0.sizes(), src0.options());
     }
   }
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
@@ -182,8 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(
   check_cpu_capability();
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  at::Tensor out =
-      at::empty(block_sum.sizes(), block_sum.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = detail::empty_cached(block_sum.sizes(), block_sum.options());
   at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   if (p.T > 0) {
@@ -232,9 +230,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
   check_cpu_capability();
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z;
-  if (output_mask.get(0)) d_partial = detail::empty_gradient(block_sum.sizes(), rows);
+  if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (output_mask.get(2)) d_block = detail::empty_gradient(block_sum.sizes(), rows);
+  if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (p.T > 0) {
     const at::Tensor u = effective_query(query, norm_weight, scale, acc);
@@ -264,11 +262,11 @@ BlockReadsNormedForward block_reads_normed_fwd_cpu(at::TensorList sources,
   const auto acc = acc_dtype_for(src0.scalar_type());
   const auto rows = src0.options().memory_format(at::MemoryFormat::Contiguous);
   std::vector<at::Tensor> partial_outs;
-  for (int64_t s = 0; s < S; ++s) partial_outs.push_back(at::empty(src0.sizes(), rows));
+  for (int64_t s = 0; s < S; ++s) partial_outs.push_back(detail::empty_cached(src0.sizes(), rows));
   at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
-  at::Tensor h = keep_h ? at::empty(src0.sizes(), rows) : at::empty({0}, src0.options());
+  at::Tensor h = keep_h ? detail::empty_cached(src0.sizes(), rows) : at::empty({0}, src0.options());
   at::Tensor out_rstd = at::empty(p.lead_shape, src0.options().dtype(acc));
   if (p.T > 0) {
     const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
@@ -306,7 +304,7 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
-      grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
+      grads[i] = detail::empty_cached(src0.sizes(), src0.options());
     }
   }
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
@@ -339,8 +337,9 @@ MergeNormedForward block_read_merge_normed_fwd_cpu(
   check_cpu_capability();
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor out = at::empty(block_sum.sizes(), rows);
-  at::Tensor h = keep_h ? at::empty(block_sum.sizes(), rows) : at::empty({0}, block_sum.options());
+  at::Tensor out = detail::empty_cached(block_sum.sizes(), rows);
+  at::Tensor h =
+      keep_h ? detail::empty_cached(block_sum.sizes(), rows) : at::empty({0}, block_sum.options());
   at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   at::Tensor out_rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
@@ -406,9 +405,9 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
   check_cpu_capability();
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z, d_out_weight;
-  if (output_mask.get(0)) d_partial = detail::empty_gradient(block_sum.sizes(), rows);
+  if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (output_mask.get(2)) d_block = detail::empty_gradient(block_sum.sizes(), rows);
+  if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (output_mask.get(5)) d_out_weight = at::zeros({p.D}, out_weight.options().dtype(acc));
   if (p.T > 0) {

@@ -181,7 +181,7 @@ void empty_cpu_gradient_cache() { GradientCache::instance().empty(); }
 
 namespace detail {
 
-at::Tensor empty_gradient(at::IntArrayRef sizes, const at::TensorOptions& options) {
+at::Tensor empty_cached(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const auto contiguous = options.memory_format(at::MemoryFormat::Contiguous);
   if (options.device().type() != c10::DeviceType::CPU) return at::empty(sizes, contiguous);
   const size_t nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) *

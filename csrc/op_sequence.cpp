@@ -67,7 +67,7 @@ ForwardOutputs forward_sequence(const DeviceKernels& kernels, const DepthProblem
   const auto acc = acc_dtype_for(src0.scalar_type());
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
   ForwardOutputs o;
-  o.out = at::empty(src0.sizes(), src0.options().memory_format(at::MemoryFormat::Contiguous));
+  o.out = detail::empty_cached(src0.sizes(), src0.options());
   o.rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   o.weights = at::empty(p.stat_shape(), src0.options().dtype(acc));
   if (p.T > 0) {
@@ -94,7 +94,7 @@ BackwardResult backward_sequence(const DeviceKernels& kernels, const DepthProble
   const auto acc = acc_dtype_for(src0.scalar_type());
   std::vector<at::Tensor> grads(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (output_mask.get(i)) grads[i] = detail::empty_gradient(src0.sizes(), src0.options());
+    if (output_mask.get(i)) grads[i] = detail::empty_cached(src0.sizes(), src0.options());
   }
   const bool want_query = output_mask.get(p.N);
   const bool want_gain = output_mask.get(p.N + 1);
@@ -144,8 +144,7 @@ NormedForwardResult run_normed_forward(const DeviceKernels& kernels, at::TensorL
   const at::Tensor weight = out_weight.to(acc).contiguous();
   at::Tensor out_rstd = at::empty(p.lead_shape, src0.options().dtype(acc));
   // Not kept (inference): an empty h, and the kernel writes y alone.
-  at::Tensor h = keep_h ? at::empty(src0.sizes(),
-                                    src0.options().memory_format(at::MemoryFormat::Contiguous))
+  at::Tensor h = keep_h ? detail::empty_cached(src0.sizes(), src0.options())
                         : at::empty({0}, src0.options());
   at::Tensor no_h;
   const OutNormForward norm{weight, out_eps, out_rstd, keep_h ? h : no_h};

@@ -667,7 +667,8 @@ def cpu_gradient_cache_stats() -> dict:
     (allocations served by a kept block / by the system allocator).
 
     The backward ops take their large (>= 1 MiB) CPU gradient outputs from
-    this cache, so a training loop does not fault them in from the OS every
+    this cache, and the forward ops their read outputs (h, y, partial
+    outputs), so a loop does not fault them in from the OS every
     step (glibc returns freed blocks of many MiB to it). Default limit 1 GiB,
     ``ATTNRES_CPU_GRAD_CACHE_MB`` at the first use; 0 turns it off."""
     return dict(zip(_CACHE_STAT_NAMES, torch.ops.attnres.cpu_gradient_cache_stats()))

@@ -999,38 +999,39 @@ TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
 }
 
 // The CPU gradient cache (attnres/gradient_cache.h) from C++: freed source
-// gradients are handed out again to the next backward, with the same bits as
-// with the cache off; the limit and empty work (tests/python/
-// test_gradient_cache.py covers the rest from Python).
+// gradients and forward outputs are handed out again to the next call, with
+// the same bits as with the cache off; the limit and empty work
+// (tests/python/test_gradient_cache.py covers the rest from Python).
 TEST(CpuGradientCache, ReusesFreedGradientsWithTheSameBits) {
   const int64_t before = attnres::cpu_gradient_cache_stats().limit_bytes;
   at::manual_seed(12);
-  const int64_t D = 512;  // [600, 512] float32: 1.17 MiB per gradient
+  const int64_t D = 512;  // [600, 512] float32: 1.17 MiB per gradient and for h
   std::vector<at::Tensor> sources;
   for (int i = 0; i < 3; ++i) sources.push_back(at::randn({600, D}).requires_grad_(true));
   const at::Tensor query = (at::randn({D}) * 0.05).requires_grad_(true);
   const at::Tensor dh = at::randn({600, D});
-  auto grads = [&] {
+  std::vector<const void*> kept_ptrs;  // blocks of the first call, freed
+  auto grads = [&](bool record) {
     const at::Tensor h = attnres::depth_attention(sources, query);
+    if (record) kept_ptrs.push_back(h.data_ptr());
     return torch::autograd::grad({h}, sources, {dh});
   };
 
   attnres::set_cpu_gradient_cache_limit(0);
-  const auto off = grads();
+  const auto off = grads(false);
   attnres::set_cpu_gradient_cache_limit(int64_t(64) << 20);
   const int64_t hits0 = attnres::cpu_gradient_cache_stats().hits;
-  std::vector<const void*> first_ptrs;
   {
-    const auto first = grads();
-    for (const auto& g : first) first_ptrs.push_back(g.data_ptr());
+    const auto first = grads(true);
+    for (const auto& g : first) kept_ptrs.push_back(g.data_ptr());
   }
-  EXPECT_EQ(attnres::cpu_gradient_cache_stats().cached_blocks, 3);
-  const auto second = grads();
-  EXPECT_EQ(attnres::cpu_gradient_cache_stats().hits - hits0, 3);
+  EXPECT_EQ(attnres::cpu_gradient_cache_stats().cached_blocks, 4);  // h and 3 gradients
+  const auto second = grads(false);
+  EXPECT_EQ(attnres::cpu_gradient_cache_stats().hits - hits0, 4);
   for (size_t i = 0; i < second.size(); ++i) {
     EXPECT_TRUE(at::equal(second[i], off[i])) << "source " << i;
-    EXPECT_NE(std::find(first_ptrs.begin(), first_ptrs.end(), second[i].data_ptr()),
-              first_ptrs.end());
+    EXPECT_NE(std::find(kept_ptrs.begin(), kept_ptrs.end(), second[i].data_ptr()),
+              kept_ptrs.end());
   }
   attnres::empty_cpu_gradient_cache();
   EXPECT_EQ(attnres::cpu_gradient_cache_stats().cached_bytes, 0);

@@ -1,7 +1,7 @@
 """The CPU gradient cache (csrc/gradient_cache.cpp): the backward ops' large
-CPU gradient outputs come from kept blocks once earlier gradients were freed,
-the results are the same bits as without the cache, the limit holds, and the
-API checks its arguments."""
+CPU gradient outputs and the forward ops' read outputs come from kept blocks
+once earlier ones were freed, the results are the same bits as without the
+cache, the limit holds, and the API checks its arguments."""
 import math
 import os
 import subprocess
@@ -65,14 +65,57 @@ def test_freed_gradients_are_reused_and_counted():
     assert s0["in_use_bytes"] >= 3 * first[0].numel() * 4
     del first
     s1 = attnres.cpu_gradient_cache_stats()
-    assert s1["cached_blocks"] >= 3 and s1["in_use_bytes"] == s0["in_use_bytes"] - s1["cached_bytes"] + s0["cached_bytes"]
+    # The three gradients and the forward's h (freed when _grads returned).
+    assert s1["cached_blocks"] >= 4 and s1["in_use_bytes"] == s0["in_use_bytes"] - s1["cached_bytes"] + s0["cached_bytes"]
     second = _grads(*problem)
     s2 = attnres.cpu_gradient_cache_stats()
-    assert {t.data_ptr() for t in second[:3]} == ptrs
-    assert s2["hits"] - s1["hits"] == 3 and s2["misses"] == s1["misses"]
+    # h takes the newest kept block (a gradient of the first call), the
+    # gradients the other two and h's old block.
+    assert len({t.data_ptr() for t in second[:3]} & ptrs) == 2
+    assert s2["hits"] - s1["hits"] == 4 and s2["misses"] == s1["misses"]
     # Parameter gradients ([D]) are small: not from the cache.
     assert s2["in_use_bytes"] - s1["in_use_bytes"] == sum(
         math.ceil(t.numel() * t.element_size() / (64 << 10)) * (64 << 10) for t in second[:3])
+
+
+def _forward_outputs(which, dtype):
+    srcs, q, g, _ = _problem(dtype, n=4)
+    srcs = [t.detach() for t in srcs]
+    q, g = q.detach(), g.detach()
+    w = 1 + 0.1 * torch.randn(q.shape[0], generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    if which == "depth_attention":
+        return lambda: [attnres.depth_attention(srcs, q, g)]
+    if which == "normed":
+        return lambda: [attnres.depth_attention(srcs, q, g, out_weight=w)]
+    queries, gains = torch.stack([q, -q]), torch.stack([g, g])
+    if which == "block_reads":
+        return lambda: list(attnres.block_reads(srcs, queries, gains)[0])
+    outs, lse = attnres.block_reads(srcs, queries, gains)
+    partial, lse1, block = outs[1].clone(), lse[1].clone(), srcs[0] + srcs[1]
+    return lambda: [attnres.block_read_merge(partial, lse1, block, queries[1], gains[1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["depth_attention", "normed", "block_reads", "block_read_merge"])
+def test_forward_outputs_come_from_the_cache_with_the_same_bits(which, dtype):
+    call = _forward_outputs(which, dtype)
+    attnres.set_cpu_gradient_cache_limit(0)
+    with torch.no_grad():
+        off = call()
+    attnres.set_cpu_gradient_cache_limit(256 * MIB)
+    attnres.empty_cpu_gradient_cache()
+    with torch.no_grad():
+        first = call()
+        ptrs = {t.data_ptr() for t in first}
+        del first  # kept by the cache
+        s1 = attnres.cpu_gradient_cache_stats()
+        second = call()
+    s2 = attnres.cpu_gradient_cache_stats()
+    assert s1["cached_blocks"] >= len(off)
+    assert {t.data_ptr() for t in second} == ptrs
+    assert s2["hits"] - s1["hits"] == len(off) and s2["misses"] == s1["misses"]
+    for a, b in zip(off, second):
+        assert torch.equal(a, b)
 
 
 def test_the_limit_bounds_the_kept_bytes_and_zero_turns_it_off():
