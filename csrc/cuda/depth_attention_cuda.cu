@@ -105,15 +105,32 @@ at::Tensor pack_aligned(const at::Tensor& weight) {
 void forward(const ForwardCall& call) {
   const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         const DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
+        // The cp.async ring when a token's rows fit its stages (plan_forward):
+        // a grid of a few waves of the ring kernel's resident CTAs, each
+        // looping over token blocks; else one CTA per token block.
+        const ForwardPlan plan = forward_plan<scalar_t>(
+            src.layout, p.N, p.D, static_cast<int64_t>(props->sharedMemPerBlockOptin));
+        int64_t grid_cap = kMaxGrid;
+        if (plan.ring_stages > 0) {
+          const int blocks_per_sm = forward_ring_blocks_per_sm<scalar_t>(
+              plan.tile, plan.smem_bytes, call.out_norm != nullptr);
+          TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA forward ring kernel cannot run with ",
+                      plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
+                      plan.smem_bytes, " bytes of shared memory on this device");
+          grid_cap = forward_ring_grid_cap(static_cast<int64_t>(blocks_per_sm) *
+                                           props->multiProcessorCount);
+        }
         auto launch = forward_launch<scalar_t>(
-            src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(),
+            plan, src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(),
             call.out.data_ptr<scalar_t>(), call.rstd.data_ptr<acc_t>(),
-            call.weights.data_ptr<acc_t>(), p.T, p.N, p.D, static_cast<acc_t>(call.eps));
+            call.weights.data_ptr<acc_t>(), p.T, p.N, p.D, static_cast<acc_t>(call.eps),
+            grid_cap);
         at::Tensor norm_weight;
         if (const OutNormForward* norm = call.out_norm) {
           // The epilogue normalizes h in registers: out gets (h r) * w,

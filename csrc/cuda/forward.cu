@@ -1,33 +1,63 @@
-// Launcher of the forward kernel for every compiled tile and dtype.
+// Launcher of the forward kernel for every compiled tile and dtype (the
+// register pipeline, and the cp.async ring where the tile has one).
 #include "kernels.cuh"
 #include "launch_kernel.cuh"
 
 namespace attnres {
 namespace cuda {
 
+namespace {
+
+// The plain kernel or the fused output norm's instantiation (its own, so the
+// plain kernel's registers do not change), with the register pipeline or
+// the cp.async ring (kRing: compiled only for ring_tile_compiled tiles).
+template <typename scalar_t>
+auto forward_kernel_for(bool normed, bool ring) {
+  return [normed, ring](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    if constexpr (ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
+      if (ring) {
+        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, true>
+                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, true>;
+      }
+    }
+    TORCH_CHECK(!ring, "attnres: no forward ring kernel compiled for a tile of vec=", VEC,
+                ", vpt=", VPT);
+    return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>
+                  : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>;
+  };
+}
+
+}  // namespace
+
 template <typename scalar_t>
 void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
                     cudaStream_t stream) {
-  // The fused output norm (params.norm_weight set) has its own
-  // instantiation, so the plain kernel's registers do not change.
-  const bool normed = params.norm_weight != nullptr;
   launch_tiled<scalar_t>(
-      [normed](auto vec, auto vpt) {
-        constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>
-                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>;
-      },
+      forward_kernel_for<scalar_t>(params.norm_weight != nullptr, params.ring_stages > 0),
       params, config, stream);
 }
 
-template void launch_forward<double>(const ForwardParams<double>&, const LaunchConfig&,
-                                     cudaStream_t);
-template void launch_forward<float>(const ForwardParams<float>&, const LaunchConfig&,
-                                    cudaStream_t);
-template void launch_forward<c10::Half>(const ForwardParams<c10::Half>&,
-                                        const LaunchConfig&, cudaStream_t);
-template void launch_forward<c10::BFloat16>(const ForwardParams<c10::BFloat16>&,
-                                            const LaunchConfig&, cudaStream_t);
+template <typename scalar_t>
+int forward_ring_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed) {
+  int blocks = 0;
+  with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
+    blocks = blocks_per_sm(forward_kernel_for<scalar_t>(normed, true)(vec, vpt),
+                           tile.group * tile.tokens_per_cta, smem_bytes);
+  });
+  return blocks;
+}
+
+#define ATTNRES_INSTANTIATE_FORWARD(T)                                         \
+  template void launch_forward<T>(const ForwardParams<T>&, const LaunchConfig&, \
+                                  cudaStream_t);                                \
+  template int forward_ring_blocks_per_sm<T>(const TileConfig&, size_t, bool);
+
+ATTNRES_INSTANTIATE_FORWARD(double)
+ATTNRES_INSTANTIATE_FORWARD(float)
+ATTNRES_INSTANTIATE_FORWARD(c10::Half)
+ATTNRES_INSTANTIATE_FORWARD(c10::BFloat16)
+#undef ATTNRES_INSTANTIATE_FORWARD
 
 }  // namespace cuda
 }  // namespace attnres

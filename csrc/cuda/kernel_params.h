@@ -74,22 +74,34 @@ void fill_common(Params& params, const SourceTableLayout& sources,
   params.tokens_per_cta = tile.tokens_per_cta;
 }
 
+// Forward plan (tile, cp.async ring or register pipeline): with the ring,
+// the caller asks the device how many CTAs of the ring kernel are resident
+// (forward_ring_grid_cap) before building the launch.
+template <typename scalar_t>
+ForwardPlan forward_plan(const SourceTableLayout& sources, int64_t N, int64_t D,
+                         int64_t smem_optin_bytes) {
+  return plan_forward(N, D, sources.vector_aligned, natural_vec<scalar_t>(), smem_optin_bytes);
+}
+
 // Forward: out [T, D] contiguous, rstd and weights [N, T]. grid_cap bounds
-// the grid (the emulation lowers it to exercise the token loop).
+// the grid (the ring's waves on a GPU; the emulation lowers it to exercise
+// the token loop).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 KernelLaunch<ForwardParams<scalar_t>> forward_launch(
-    const SourceTableLayout& sources, const SourceEntry* overflow_on_device, const acc_t* u,
-    scalar_t* out, acc_t* rstd, acc_t* weights, int64_t T, int64_t N, int64_t D, acc_t eps,
-    int64_t grid_cap = kMaxGrid) {
+    const ForwardPlan& plan, const SourceTableLayout& sources,
+    const SourceEntry* overflow_on_device, const acc_t* u, scalar_t* out, acc_t* rstd,
+    acc_t* weights, int64_t T, int64_t N, int64_t D, acc_t eps, int64_t grid_cap = kMaxGrid) {
   KernelLaunch<ForwardParams<scalar_t>> launch{};
-  const TileConfig tile = choose_tile(D, sources.vector_aligned, natural_vec<scalar_t>());
+  const TileConfig& tile = plan.tile;
   fill_common(launch.params, sources, overflow_on_device, u, T, N, D, tile);
   launch.params.out = out;
   launch.params.rstd = rstd;
   launch.params.weights = weights;
   launch.params.eps = eps;
+  launch.params.ring_stages = plan.ring_stages;
   launch.config.tile = tile;
-  launch.config.grid = std::min(launch.params.token_blocks, grid_cap);
+  launch.config.grid = std::min({launch.params.token_blocks, grid_cap, kMaxGrid});
+  launch.config.smem_bytes = plan.smem_bytes;
   return launch;
 }
 

@@ -354,23 +354,47 @@ __device__ __forceinline__ bool reduction_peers_any(bool flag, int G, int tokens
   return __syncthreads_or(flag ? 1 : 0) != 0;
 }
 
-// 16-byte asynchronous global->shared copy (sm_80+); a plain copy elsewhere.
+// 16-byte asynchronous global->shared copy (sm_80+). The CPU emulation
+// (tests/cuda_emulation/cuda_runtime.h, ATTNRES_EMULATED_CP_ASYNC) queues
+// it per commit group and performs it at the wait that retires the group;
+// elsewhere (a host pass) a plain copy.
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s),
                "l"(gmem)
                : "memory");
+#elif defined(ATTNRES_EMULATED_CP_ASYNC)
+  emu::cp_async_16(smem, gmem);
 #else
   *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
 #endif
 }
 
-__device__ __forceinline__ void copy_async_commit_and_wait() {
+// Closes this thread's current group of copies (cp.async.commit_group).
+__device__ __forceinline__ void copy_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#elif defined(ATTNRES_EMULATED_CP_ASYNC)
+  emu::cp_async_commit();
 #endif
+}
+
+// Waits until at most kPending of this thread's committed groups are still
+// in flight (cp.async.wait_group): the older groups' copies are then
+// visible to this thread.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#elif defined(ATTNRES_EMULATED_CP_ASYNC)
+  emu::cp_async_wait(kPending);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit_and_wait() {
+  copy_async_commit();
+  copy_async_wait<0>();
 }
 
 // The dot products the kernels take of each of SU rows held in registers,
@@ -451,6 +475,45 @@ struct ThreadPlace {
     lane = static_cast<int>(threadIdx.x) - group * G;
   }
 };
+
+// Issues the copies of this thread's packs of token t's N rows into a
+// staging area (entry (i, k) of lane l at [(i*VPT+k)*G+l]: the packs the
+// register path would load, zero-filled past D by the reader), without
+// committing them. Each thread later reads back only the bytes it copied
+// itself, so only its own wait_group is needed, no barrier. Used by the
+// backward's staging and the forward's ring.
+template <typename scalar_t, int VEC, int VPT, typename Params>
+__device__ __forceinline__ void copy_token_rows_async(const Params& p,
+                                                      const ThreadPlace& pos, int64_t t,
+                                                      Pack<scalar_t, VEC>* stage) {
+  static_assert(sizeof(Pack<scalar_t, VEC>) == 16, "cp.async stages 16-byte packs");
+  for (int i = 0; i < pos.N; ++i) {
+    const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
+    }
+  }
+}
+
+// Rows i0 .. i0+SU-1 (zeros past N and past D) of the token staged in
+// `stage` by copy_token_rows_async (this thread's own packs).
+template <int SU, typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ void read_staged_rows(const Pack<scalar_t, VEC>* stage,
+                                                 const ThreadPlace& pos, int i0,
+                                                 Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
+#pragma unroll
+  for (int j = 0; j < SU; ++j) {
+    const int i = i0 + j;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = (k * pos.G + pos.lane) * VEC;
+      rows[j][k] = i < pos.N && c < pos.D ? stage[(i * VPT + k) * pos.G + pos.lane]
+                                          : zero_pack<scalar_t, VEC>();
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Forward pieces shared by the kernel's fast path and its rare rescue.
@@ -787,21 +850,68 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
   return parity;
 }
 
+// The forward ring (kRing): issues the copies of this group's token of
+// token block tb into `stage` (nothing past the last token block; surplus
+// groups of the last block copy a valid token, like the register path) and
+// commits them as one group, so every thread commits one group per token
+// block and wait_group counts alike in every thread.
+template <typename scalar_t, int VEC, int VPT>
+__device__ __forceinline__ void forward_ring_fill(const ForwardParams<scalar_t>& p,
+                                                  const ThreadPlace& pos, int64_t tb,
+                                                  Pack<scalar_t, VEC>* stage) {
+  if (tb < p.token_blocks) {
+    const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
+    const int64_t t = t_wanted < pos.T ? t_wanted : pos.T - 1;
+    copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
+  }
+  copy_async_commit();
+}
+
 // ---------------------------------------------------------------------------
 // Forward: one pass over the sources with an online softmax; each source row
 // is read from global memory exactly once. kNorm (the fused output norm):
 // the epilogue normalizes h in registers before its one store
-// (forward_store_token_normed).
-template <typename scalar_t, int VEC, int VPT, bool kNorm>
-__global__ void __launch_bounds__(kMaxThreads)
+// (forward_store_token_normed). kRing (plan_forward; 16-byte packs): the
+// rows come through a ring of p.ring_stages shared-memory stages per group
+// instead of registers — stage s holds the N rows of the group's token in
+// the CTA's (s + S j)-th token block of its grid-stride loop, copied with
+// cp.async one commit group per token block; before a token the thread
+// waits for its oldest group (wait_group S-1), reads its rows there, and
+// refills the stage with the token S blocks ahead. Each thread reads back
+// only the packs it copied (copy_token_rows_async): no barrier. The same
+// arithmetic in the same order as the register pipeline: the same bits.
+// The ring kernels state one resident CTA per SM as their minimum (the same
+// 128-register cap at 512 threads): without it ptxas gave the small ring
+// tiles (fp16 <8, 1>, fp32 <4, 1>, <4, 2>) 64 registers and spills; 0 (no
+// minimum) leaves the register pipeline's kernels as they were.
+template <typename scalar_t, int VEC, int VPT, bool kNorm, bool kRing = false>
+__global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
+  static_assert(!kRing || sizeof(Row) == 16, "the ring copies 16-byte packs");
   __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
 
   const ThreadPlace pos(p);
   int parity = 0;
+
+  // kRing: this group's stages (stage s at ring + s * stage_packs), the
+  // first S token blocks in flight before the loop; `slot` is the stage of
+  // the current token block.
+  Row* ring = nullptr;
+  int64_t stage_packs = 0;
+  int slot = 0;
+  if constexpr (kRing) {
+    ATTNRES_DYNAMIC_SMEM(dynamic_smem);
+    stage_packs = static_cast<int64_t>(pos.N) * VPT * pos.G;
+    ring = reinterpret_cast<Row*>(dynamic_smem) + pos.group * p.ring_stages * stage_packs;
+    for (int s = 0; s < p.ring_stages; ++s) {
+      forward_ring_fill<scalar_t, VEC, VPT>(
+          p, pos, static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(s) * gridDim.x,
+          ring + s * stage_packs);
+    }
+  }
 
   for (int64_t tb = blockIdx.x; tb < p.token_blocks; tb += gridDim.x) {
     // Surplus groups of the last block compute on a valid token (so every
@@ -818,8 +928,19 @@ __global__ void __launch_bounds__(kMaxThreads)
 
     // Software pipeline (when registers allow): the next batch's loads are
     // issued before this batch's reduction, so they are in flight while it
-    // runs.
-    constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetch;
+    // runs. The ring reads its rows from shared memory instead.
+    constexpr bool kPrefetch = !kRing && Tile<scalar_t, VEC, VPT>::kPrefetch;
+    const Row* stage = nullptr;
+    if constexpr (kRing) {
+      // This token block's copies are done (the S - 1 younger ones may be
+      // in flight).
+      if (p.ring_stages == 3) {
+        copy_async_wait<2>();
+      } else {
+        copy_async_wait<1>();
+      }
+      stage = ring + slot * stage_packs;
+    }
     Row next[SU][VPT];
     if constexpr (kPrefetch) {
       load_rows<scalar_t, VEC, VPT, SU, LoadHint::kStream>(p.table, p.overflow, 0, pos.N, t,
@@ -827,7 +948,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     for (int i0 = 0; i0 < pos.N; i0 += SU) {
       Row rows[SU][VPT];
-      if constexpr (kPrefetch) {
+      if constexpr (kRing) {
+        read_staged_rows<SU>(stage, pos, i0, rows);
+      } else if constexpr (kPrefetch) {
 #pragma unroll
         for (int j = 0; j < SU; ++j) {
 #pragma unroll
@@ -864,6 +987,15 @@ __global__ void __launch_bounds__(kMaxThreads)
           forward_fold_row<scalar_t, VEC, VPT>(i, s, rows[j], acc, sm);
         }
       }
+    }
+
+    if constexpr (kRing) {
+      // The stage is read (into registers, all used above): refill it with
+      // the token S blocks ahead, in flight during the S - 1 token blocks
+      // in between.
+      forward_ring_fill<scalar_t, VEC, VPT>(
+          p, pos, tb + static_cast<int64_t>(p.ring_stages) * gridDim.x, ring + slot * stage_packs);
+      slot = slot + 1 == p.ring_stages ? 0 : slot + 1;
     }
 
     if constexpr (kNorm) {
@@ -1122,17 +1254,9 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int64_t t = active ? t_wanted : pos.T - 1;
 
     if constexpr (!kSinglePass) {
-      if (sizeof(Row) == 16 && staged) {
-        // Only 16-byte packs are staged (the host enables staging only then).
-        // Each thread copies and later reads back only its own entries.
-        for (int i = 0; i < pos.N; ++i) {
-          const scalar_t* row = source_row<scalar_t>(p.table, p.overflow, i, t);
-#pragma unroll
-          for (int k = 0; k < VPT; ++k) {
-            const int c = (k * pos.G + pos.lane) * VEC;
-            if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
-          }
-        }
+      // Only 16-byte packs are staged (the host enables staging only then).
+      if constexpr (sizeof(Row) == 16) {
+        if (staged) copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
       }
     }
     Row dh[VPT];

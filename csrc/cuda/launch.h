@@ -58,6 +58,10 @@ struct ForwardParams {
   acc_t* norm_rstd;          // [T]: r per token
   scalar_t* norm_h;          // [T, D] contiguous: h itself, or null (not kept)
   acc_t norm_eps;
+  // The cp.async ring (plan_forward; the kRing kernel only): each group
+  // keeps the N rows of its next ring_stages tokens in shared memory; 0 for
+  // the register pipeline.
+  int ring_stages;
 };
 
 template <typename scalar_t>
@@ -144,6 +148,13 @@ constexpr bool tile_is_compiled(int vec, int vpt, int natural) {
          vec * vpt <= kMaxElemsPerThread;
 }
 
+// The tiles that have a forward ring kernel (kRing): the 16-byte path (the
+// ring copies 16-byte packs with cp.async), except fp64's <2, 8> (its ring
+// kernel spilled; fp64 is a gradcheck dtype).
+constexpr bool ring_tile_compiled(int vec, int vpt, int natural) {
+  return vec == natural && tile_is_compiled(vec, vpt, natural) && !(natural == 2 && vpt == 8);
+}
+
 struct TileConfig {
   int vec = 1;
   int vpt = 1;
@@ -205,6 +216,11 @@ void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z
 // Resident CTAs per SM of the backward kernel for a tile (sizes its grid).
 template <typename scalar_t>
 int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed);
+
+// Resident CTAs per SM of the forward's ring kernel for a tile (sizes its
+// grid; the register pipeline's grid is one CTA per token block).
+template <typename scalar_t>
+int forward_ring_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed);
 
 }  // namespace cuda
 }  // namespace attnres

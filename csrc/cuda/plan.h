@@ -24,6 +24,15 @@ constexpr int kCtaThreads = 256;
 constexpr int64_t kStageBytesPerToken = 32 * 1024;
 constexpr int64_t kStageBytesPerCta = 64 * 1024;
 constexpr int64_t kMaxGrid = 0x7fffffff;
+// Forward cp.async ring (plan_forward): a stage holds one token's N rows
+// (of one group) and takes at most kRingStageBytes; 3 stages when it takes
+// at most kRingSmallStageBytes, else 2; a CTA's stages take at most
+// kRingBytesPerCta. The ring kernel's grid is kForwardRingWaves times the
+// CTAs resident at once (grid-stride over the token blocks).
+constexpr int64_t kRingStageBytes = 32 * 1024;
+constexpr int64_t kRingSmallStageBytes = 16 * 1024;
+constexpr int64_t kRingBytesPerCta = 64 * 1024;
+constexpr int64_t kForwardRingWaves = 4;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -114,6 +123,49 @@ inline int64_t backward_grid_cap(int64_t resident_ctas, int64_t D, int64_t acc_s
   const int64_t wave_bytes = std::max<int64_t>(1, resident_ctas * D * acc_size);
   const int64_t waves = std::clamp<int64_t>(kPartialRowBytes / wave_bytes, 1, kBackwardWaves);
   return std::max<int64_t>(1, resident_ctas) * waves;
+}
+
+// Forward: the tile, and whether it runs the cp.async ring (ring_stages
+// stages per group in smem_bytes of dynamic shared memory) or the register
+// pipeline (ring_stages = 0, no dynamic shared memory). A function of the
+// shape, the dtype (natural: 16 bytes of elements), the rows' alignment
+// (vector_ok) and the device's opt-in shared memory per block.
+struct ForwardPlan {
+  TileConfig tile;
+  int ring_stages = 0;
+  size_t smem_bytes = 0;
+};
+
+inline ForwardPlan plan_forward(int64_t N, int64_t D, bool vector_ok, int natural,
+                                int64_t smem_optin_bytes) {
+  ForwardPlan plan;
+  TileConfig tile = choose_tile(D, vector_ok, natural);
+  // The ring copies 16-byte packs; sub-warp groups must fill whole warps
+  // (the rare path votes per warp); the static reduction buffer takes the
+  // 4096 bytes kept back.
+  if (ring_tile_compiled(tile.vec, tile.vpt, natural)) {
+    const int64_t per_token = N * tile.vpt * tile.group * 16;
+    const int stages = per_token <= kRingSmallStageBytes ? 3 : 2;
+    const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
+    const int64_t budget = std::min<int64_t>(kRingBytesPerCta, smem_optin_bytes - 4096);
+    int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / (stages * per_token));
+    tokens -= tokens % min_tokens;
+    if (per_token <= kRingStageBytes && tokens >= min_tokens) {
+      plan.ring_stages = stages;
+      tile.tokens_per_cta = static_cast<int>(tokens);
+      plan.smem_bytes = static_cast<size_t>(per_token * stages * tokens);
+    }
+  }
+  plan.tile = tile;
+  return plan;
+}
+
+// The ring kernel's grid: kForwardRingWaves waves of the CTAs resident at
+// once, so that a CTA walks several token blocks (its ring prefetches
+// across them) and CTAs waiting for SMs held by another stream's kernel
+// carry a quarter of a resident CTA's share.
+inline int64_t forward_ring_grid_cap(int64_t resident_ctas) {
+  return std::max<int64_t>(1, resident_ctas) * kForwardRingWaves;
 }
 
 // Backward: whether a token's rows are staged in shared memory, how many

@@ -5,12 +5,18 @@
 // block), __syncthreads is a block barrier and warp shuffles exchange values
 // through a buffer between two warp barriers. Slow, but it executes the real
 // kernel source with real thread/lane indices, reductions and barriers.
+// cp.async (ATTNRES_EMULATED_CP_ASYNC) is queued per thread and commit group
+// and performed only at the wait_group that retires its group, so a read of
+// a stage before its wait finds the stage's old bytes.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -49,7 +55,49 @@ inline std::vector<unsigned char> dynamic_smem_buffer;
 
 inline unsigned char* dynamic_smem() { return dynamic_smem_buffer.data(); }
 
+// cp.async: this thread's copies not yet committed, and its committed groups
+// (oldest first), each performed when a wait_group retires it.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;
+  std::deque<std::vector<AsyncCopy>> committed;
+};
+inline thread_local AsyncCopies async_copies;
+// Set when a thread ends with copies never waited for (on a GPU they would
+// land in shared memory after the reader, or after the CTA ended).
+inline std::atomic<bool> async_copies_left{false};
+
+inline void cp_async_16(void* smem, const void* gmem) { async_copies.open.push_back({smem, gmem}); }
+
+inline void cp_async_commit() {
+  async_copies.committed.push_back(std::move(async_copies.open));
+  async_copies.open.clear();
+}
+
+// cp.async.wait_group pending: performs the oldest groups until at most
+// `pending` remain.
+inline void cp_async_wait(int pending) {
+  auto& q = async_copies.committed;
+  while (q.size() > static_cast<size_t>(pending)) {
+    for (const AsyncCopy& c : q.front()) std::memcpy(c.dst, c.src, 16);
+    q.pop_front();
+  }
+}
+
+inline bool cp_async_pending() {
+  if (!async_copies.open.empty()) return true;
+  for (const auto& g : async_copies.committed) {
+    if (!g.empty()) return true;
+  }
+  return false;
+}
+
 }  // namespace emu
+
+#define ATTNRES_EMULATED_CP_ASYNC 1
 
 inline thread_local dim3 threadIdx;
 inline dim3 blockIdx, blockDim, gridDim;
@@ -128,10 +176,14 @@ inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
       pool.emplace_back([t, &kernel_body] {
         threadIdx.x = t;
         kernel_body();
+        if (cp_async_pending()) async_copies_left = true;
       });
     }
     for (auto& th : pool) th.join();
     block_state = nullptr;
+    if (async_copies_left.exchange(false)) {
+      throw std::runtime_error("emulated launch: a thread ended with cp.async copies not waited for");
+    }
     for (size_t i = smem_bytes; i < dynamic_smem_buffer.size(); ++i) {
       if (dynamic_smem_buffer[i] != 0xAB) {
         throw std::runtime_error("emulated launch: a block wrote past its dynamic shared memory");

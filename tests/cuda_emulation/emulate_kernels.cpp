@@ -4,7 +4,8 @@
 // every output against a float64 evaluation of the per-token formulas. It
 // exercises what the CPU kernels cannot: the thread/lane -> element map,
 // masking, group reductions, tokens per CTA, the grid-stride token loop,
-// backward staging in shared memory, the source table overflow and the
+// backward staging in shared memory, the forward's cp.async ring (bit for
+// bit against its register pipeline), the source table overflow and the
 // per-CTA query-gradient partials and their fixed-order sum. Built and run by
 // tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -106,7 +108,23 @@ struct Case {
   // not for fp64 rows whose normed gradients leave fp64's range in alpha or
   // beta (float64 has no wider type on the device, docs/design.md §8).
   bool check_backward = true;
+  // Whether the backward runs at all (the forward ring sweep skips it: the
+  // ring is the forward's).
+  bool run_backward = true;
 };
+
+// Cases whose forward took the cp.async ring (each also compared bit for
+// bit with the register pipeline).
+int ring_cases = 0;
+
+// Whether two result buffers hold the same bytes (empty ones do: memcmp
+// must not see their null data).
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return false;
+  if (a.empty()) return true;
+  return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
 
 // Relative error of the norms, both divided by max|want| first (values
 // near the dtype's maximum must not overflow the squares).
@@ -193,7 +211,12 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   std::vector<acc_t> rstd(N * T), weights(N * T);
   std::vector<scalar_t> h_kept(c.norm ? T * D : 0, static_cast<scalar_t>(NAN));
   std::vector<acc_t> out_rstd(c.norm ? T : 0, static_cast<acc_t>(NAN));
-  auto fwd = forward_launch<scalar_t>(layout, layout.overflow.data(), u.data(), out.data(),
+  // The forward's plan (the cp.async ring where the shape takes it, for the
+  // case's opt-in shared memory) and, for comparison, the register
+  // pipeline's (no shared memory to spare: plan_forward picks no ring).
+  const ForwardPlan fplan = forward_plan<scalar_t>(layout, N, D, c.smem_optin);
+  const ForwardPlan reg_plan = forward_plan<scalar_t>(layout, N, D, 0);
+  auto fwd = forward_launch<scalar_t>(fplan, layout, layout.overflow.data(), u.data(), out.data(),
                                       rstd.data(), weights.data(), T, N, D,
                                       static_cast<acc_t>(eps), c.grid_cap);
   if (c.norm) {
@@ -202,19 +225,59 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   const TileConfig& ftile = fwd.config.tile;
   const auto fgrid = static_cast<unsigned>(fwd.config.grid);
-  auto run_forward = [&] {
-    with_tile<scalar_t>(ftile.vec, ftile.vpt, [&](auto vec, auto vpt) {
+  auto run_forward_with = [&](const KernelLaunch<ForwardParams<scalar_t>>& launch) {
+    const TileConfig& tile = launch.config.tile;
+    with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
       constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-      emu::launch(fgrid, ftile.group * ftile.tokens_per_cta, fwd.config.smem_bytes, [&] {
-        if (c.norm) {
-          depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>(fwd.params);
-        } else {
-          depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>(fwd.params);
-        }
-      });
+      const bool ring = launch.params.ring_stages > 0;
+      if constexpr (!ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
+        if (ring) throw std::runtime_error("plan_forward chose a ring for a tile without one");
+      }
+      emu::launch(static_cast<unsigned>(launch.config.grid), tile.group * tile.tokens_per_cta,
+                  launch.config.smem_bytes, [&] {
+                    if constexpr (ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
+                      if (ring) {
+                        if (c.norm) {
+                          depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, true>(
+                              launch.params);
+                        } else {
+                          depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, true>(
+                              launch.params);
+                        }
+                        return;
+                      }
+                    }
+                    if (c.norm) {
+                      depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>(launch.params);
+                    } else {
+                      depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>(launch.params);
+                    }
+                  });
     });
   };
+  auto run_forward = [&] { run_forward_with(fwd); };
   run_forward();
+  // The ring must give the register pipeline's bits: run that into fresh
+  // buffers (set up like the first run's) and compare every output.
+  bool ring_same_bits = true;
+  if (fplan.ring_stages > 0) {
+    ++ring_cases;
+    std::vector<scalar_t> out2(T * D);
+    std::vector<acc_t> rstd2(N * T), weights2(N * T);
+    std::vector<scalar_t> h2(c.norm ? T * D : 0, static_cast<scalar_t>(NAN));
+    std::vector<acc_t> out_rstd2(c.norm ? T : 0, static_cast<acc_t>(NAN));
+    auto reg = forward_launch<scalar_t>(reg_plan, layout, layout.overflow.data(), u.data(),
+                                        out2.data(), rstd2.data(), weights2.data(), T, N, D,
+                                        static_cast<acc_t>(eps), c.grid_cap);
+    if (c.norm) {
+      set_forward_norm<scalar_t>(reg.params, w_out.data(), out_rstd2.data(),
+                                 c.keep_h ? h2.data() : nullptr, static_cast<acc_t>(c.out_eps));
+    }
+    run_forward_with(reg);
+    ring_same_bits = reg.params.ring_stages == 0 && same_bits(out, out2) &&
+                     same_bits(rstd, rstd2) && same_bits(weights, weights2) &&
+                     same_bits(h_kept, h2) && same_bits(out_rstd, out_rstd2);
+  }
   bool h_written_unkept = false;
   if (c.norm && !c.keep_h) {
     for (const auto& x : h_kept) h_written_unkept = h_written_unkept || !std::isnan(double(x));
@@ -258,6 +321,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   with_tile<scalar_t>(btile.vec, btile.vpt, [&](auto vec, auto vpt) {
     constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    if (!c.run_backward) return;
     emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
                 bwd.config.smem_bytes, [&] {
                   if (c.norm) {
@@ -274,8 +338,8 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     return std::vector<double>(sum.begin(), sum.end());
   };
   std::vector<double> z(D, NAN), dw;
-  if (!c.partial) z = sum_rows(partial);
-  if (want_dw) dw = sum_rows(dw_partial);
+  if (!c.partial && c.run_backward) z = sum_rows(partial);
+  if (want_dw && c.run_backward) dw = sum_rows(dw_partial);
 
   // Float64 evaluation of docs/design.md §1-§2 (and §11's output norm),
   // token by token.
@@ -368,6 +432,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       {"rstd", rel_err(as_double(rstd), ref_rstd), tol.stats},
       {"weights", rel_err(as_double(weights), ref_w), tol.stats},
   };
+  if (fplan.ring_stages > 0) {
+    checks.push_back({"ring_vs_registers_bits", ring_same_bits ? 0.0 : 1.0, 0.0});
+  }
   if (c.norm) {
     checks.push_back({"h", rel_err(as_double(h_kept), ref_h), tol.output});
     checks.push_back({"out_rstd", rel_err(as_double(out_rstd), ref_out_rstd), tol.stats});
@@ -422,6 +489,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks = {{"out_nan", all_nan(out) ? 0.0 : 1.0, 0.0},
               {"weights_nan", all_nan(weights) ? 0.0 : 1.0, 0.0},
               {"grads_nan", grads_nan ? 0.0 : 1.0, 0.0}};
+    if (fplan.ring_stages > 0) {
+      checks.push_back({"ring_vs_registers_bits", ring_same_bits ? 0.0 : 1.0, 0.0});
+    }
     if (c.norm && want_dw) checks.push_back({"dw_nan", all_nan(dw) ? 0.0 : 1.0, 0.0});
   }
   bool ok = true;
@@ -451,13 +521,17 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
              (c.out_eps != 1e-5 ? " out_eps=" + std::to_string(c.out_eps) : std::string()) + "]";
   }
   if (c.smem_optin != 227 * 1024) range += " optin=" + std::to_string(c.smem_optin);
-  if (!c.check_backward) range += " (backward unchecked)";
-  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u] "
-              "bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
+  if (!c.run_backward) {
+    range += " (forward only)";
+  } else if (!c.check_backward) {
+    range += " (backward unchecked)";
+  }
+  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u "
+              "ring=%d] bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
               c.misaligned ? " misaligned" : "", c.misaligned_h ? " misaligned_h" : "",
               range.c_str(), ftile.vec, ftile.vpt, ftile.group,
-              ftile.tokens_per_cta, fgrid,
+              ftile.tokens_per_cta, fgrid, fplan.ring_stages,
               backward_single_pass<scalar_t>() ? "1-pass" : "2-pass", btile.vec, btile.vpt,
               btile.group, btile.tokens_per_cta, long(bgrid), int(plan.stage),
               c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
@@ -503,6 +577,56 @@ int main(int argc, char** argv) {
       std::printf("%s grid cap resident=%ld D=%ld acc=%ld -> %ld (want %ld)\n", ok ? "ok  " : "FAIL",
                   long(g.resident), long(g.D), long(g.acc_size), long(got), long(g.want));
     }
+  }
+  // The forward's plan (plan_forward): the cp.async ring when a token's
+  // rows take <= 32 KiB a stage and the CTA's stages <= 64 KiB (3 stages up
+  // to 16 KiB a stage, else 2; sub-warp groups in whole warps), on the
+  // 16-byte path of a tile with a ring kernel; else the register pipeline.
+  {
+    struct PlanCase {
+      const char* what;
+      int64_t N, D;
+      bool vector_ok;
+      int natural;
+      int64_t optin;
+      int want_stages, want_vpt, want_group, want_tpc;
+      size_t want_smem;
+    };
+    constexpr int64_t kH200 = 227 * 1024;
+    const PlanCase plan_cases[] = {
+        {"bf16 N=9 D=1024 (priority shape)", 9, 1024, true, 8, kH200, 2, 4, 32, 1, 36864},
+        {"bf16 N=17 D=1024: 34 KiB a token", 17, 1024, true, 8, kH200, 0, 4, 32, 8, 0},
+        {"bf16 N=9 D=4096: 72 KiB a token", 9, 4096, true, 8, kH200, 0, 2, 256, 1, 0},
+        {"bf16 N=8 D=1024: 16 KiB, 3 stages", 8, 1024, true, 8, kH200, 3, 4, 32, 1, 49152},
+        {"bf16 N=16 D=1024: 32 KiB, 2 stages", 16, 1024, true, 8, kH200, 2, 4, 32, 1, 65536},
+        {"bf16 N=3 D=64: sub-warp, 32 tokens", 3, 64, true, 8, kH200, 3, 1, 8, 32, 36864},
+        {"bf16 N=70 D=64: not a whole warp", 70, 64, true, 8, kH200, 0, 1, 8, 32, 0},
+        {"bf16 N=3 D=64 misaligned: scalar", 3, 64, false, 8, kH200, 0, 4, 16, 16, 0},
+        {"bf16 N=1 D=16384: 32 KiB, G=512", 1, 16384, true, 8, kH200, 2, 4, 512, 1, 65536},
+        {"bf16 N=2 D=16384: 64 KiB a token", 2, 16384, true, 8, kH200, 0, 4, 512, 1, 0},
+        {"bf16 N=9 D=1024, 40 KiB opt-in", 9, 1024, true, 8, 40 * 1024, 2, 4, 32, 1, 36864},
+        {"bf16 N=9 D=1024, 32 KiB opt-in", 9, 1024, true, 8, 32 * 1024, 0, 4, 32, 8, 0},
+        {"bf16 N=9 D=1024, no opt-in", 9, 1024, true, 8, 0, 0, 4, 32, 8, 0},
+        {"fp16 N=17 D=64: 8 tokens", 17, 64, true, 8, kH200, 3, 1, 8, 8, 52224},
+        {"fp32 N=2 D=2048: block group", 2, 2048, true, 4, kH200, 3, 2, 256, 1, 49152},
+        {"fp32 N=9 D=4096: 144 KiB a token", 9, 4096, true, 4, kH200, 0, 4, 256, 1, 0},
+        {"fp64 N=3 D=70: 7 tokens", 3, 70, true, 2, kH200, 3, 2, 32, 7, 64512},
+        {"fp64 N=1 D=512: <2, 8> has no ring", 1, 512, true, 2, kH200, 0, 8, 32, 8, 0},
+    };
+    for (const auto& pc : plan_cases) {
+      const ForwardPlan fp = plan_forward(pc.N, pc.D, pc.vector_ok, pc.natural, pc.optin);
+      const bool ok = fp.ring_stages == pc.want_stages && fp.tile.vpt == pc.want_vpt &&
+                      fp.tile.group == pc.want_group && fp.tile.tokens_per_cta == pc.want_tpc &&
+                      fp.smem_bytes == pc.want_smem;
+      failures += ok ? 0 : 1;
+      std::printf("%s plan_forward %s -> stages=%d vpt=%d G=%d tpc=%d smem=%zu (want %d %d %d %d %zu)\n",
+                  ok ? "ok  " : "FAIL", pc.what, fp.ring_stages, fp.tile.vpt, fp.tile.group,
+                  fp.tile.tokens_per_cta, fp.smem_bytes, pc.want_stages, pc.want_vpt,
+                  pc.want_group, pc.want_tpc, pc.want_smem);
+    }
+    const bool ok = forward_ring_grid_cap(264) == 4 * 264 && forward_ring_grid_cap(0) == 4;
+    failures += ok ? 0 : 1;
+    std::printf("%s forward_ring_grid_cap: 4 waves, at least one CTA's worth\n", ok ? "ok  " : "FAIL");
   }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
@@ -660,6 +784,28 @@ int main(int argc, char** argv) {
                     normed({3, 4, 1000, 1, false, 2}),      // odd row stride: scalar path
                     normed(range_case(4, 10, 64, {6e4, 2e4})),
                     normed(range_case(4, 10, 64, {1e-4}))});
+  // The forward's cp.async ring over N (forward only): one warp per token
+  // (32 packs a row), rows of 512 bytes per warp, so 3 stages up to N = 32,
+  // 2 up to N = 64 (the CTA's 64 KiB), none at 65 and 70; tokens per CTA
+  // from 8 down to 1, a grid of 2 CTAs walking all token blocks (the ring
+  // wraps); plain, and normed at the stage-count boundaries (CI time).
+  auto ring_sweep = [&](auto tag, int D) {
+    using scalar_t = decltype(tag);
+    std::vector<Case> cases;
+    for (int n : {1, 2, 3, 8, 17, 31, 32, 33, 47, 64, 65, 70}) {
+      Case c{n, 19, D, 0, false, 2};
+      c.run_backward = false;
+      c.check_backward = false;
+      cases.push_back(c);
+      if (n == 1 || n == 32 || n == 33 || n == 64 || n == 65) cases.push_back(normed(c));
+    }
+    run(scalar_t{}, cases);
+  };
+  ring_sweep(double{}, 64);
+  ring_sweep(float{}, 128);
+  ring_sweep(c10::BFloat16{}, 256);
+  ring_sweep(c10::Half{}, 256);
+  std::printf("%d case(s) took the forward ring\n", ring_cases);
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
