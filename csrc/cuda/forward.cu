@@ -11,11 +11,12 @@ void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& c
   // The fused output norm (params.norm_weight set) has its own
   // instantiation, so the plain kernel's registers do not change.
   const bool normed = params.norm_weight != nullptr;
-  launch_tiled<scalar_t>(
-      [normed](auto vec, auto vpt) {
+  launch_tiled<scalar_t, kMaxElemsPerThread>(
+      [normed](auto vec, auto vpt, auto group) {
         constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>
-                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>;
+        constexpr int kGroup = decltype(group)::value;
+        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, kGroup>
+                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, kGroup>;
       },
       params, config, stream);
 }
