@@ -55,3 +55,8 @@ def test_cuda_kernels_emulated_on_cpu(emulator, dtype):
     assert result.returncode == 0, f"emulated CUDA kernels disagree with float64:\n{result.stdout}{result.stderr}"
     assert "0 failure(s)" in result.stdout
     assert result.stdout.count("ok ") >= 3, result.stdout  # cases did run
+    # The group classes' D sweep ran for both kernels, and every class case
+    # was compared bit for bit with its kAnyGroup instantiation.
+    for kernel in ("forward", "backward"):
+        assert f"{kernel} group classes:" in result.stdout, result.stdout
+    assert "any_group_bits=0" in result.stdout, result.stdout
