@@ -11,10 +11,11 @@ namespace {
 // the plain kernel's registers do not change).
 template <typename scalar_t>
 auto backward_kernel_for(bool normed) {
-  return [normed](auto vec, auto vpt) {
+  return [normed](auto vec, auto vpt, auto group) {
     constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-    return normed ? depth_attention_bwd_kernel<scalar_t, VEC, VPT, true>
-                  : depth_attention_bwd_kernel<scalar_t, VEC, VPT, false>;
+    constexpr int kGroup = decltype(group)::value;
+    return normed ? depth_attention_bwd_kernel<scalar_t, VEC, VPT, true, kGroup>
+                  : depth_attention_bwd_kernel<scalar_t, VEC, VPT, false, kGroup>;
   };
 }
 
@@ -23,15 +24,15 @@ auto backward_kernel_for(bool normed) {
 template <typename scalar_t>
 void launch_backward(const BackwardParams<scalar_t>& params, const LaunchConfig& config,
                      cudaStream_t stream) {
-  launch_tiled<scalar_t>(backward_kernel_for<scalar_t>(params.norm_weight != nullptr), params,
-                         config, stream);
+  launch_tiled<scalar_t, kBackwardPreferredElems>(
+      backward_kernel_for<scalar_t>(params.norm_weight != nullptr), params, config, stream);
 }
 
 template <typename scalar_t>
 int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed) {
   int blocks = 0;
-  with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
-    blocks = blocks_per_sm(backward_kernel_for<scalar_t>(normed)(vec, vpt),
+  with_tile<scalar_t, kBackwardPreferredElems>(tile, [&](auto vec, auto vpt, auto group) {
+    blocks = blocks_per_sm(backward_kernel_for<scalar_t>(normed)(vec, vpt, group),
                            tile.group * tile.tokens_per_cta, smem_bytes);
   });
   return blocks;

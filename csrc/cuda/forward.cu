@@ -1,5 +1,5 @@
-// Launcher of the forward kernel for every compiled tile and dtype (the
-// register pipeline, and the cp.async ring where the tile has one).
+// Launcher of the forward kernel for every compiled tile, group class and
+// dtype (the register pipeline, and the cp.async ring where the tile has one).
 #include "kernels.cuh"
 #include "launch_kernel.cuh"
 
@@ -10,21 +10,23 @@ namespace {
 
 // The plain kernel or the fused output norm's instantiation (its own, so the
 // plain kernel's registers do not change), with the register pipeline or
-// the cp.async ring (kRing: compiled only for ring_tile_compiled tiles).
+// the cp.async ring (kRing: compiled only for ring_tile_compiled tiles), for
+// the tile's (vec, vpt) and the class of its G (with_tile).
 template <typename scalar_t>
 auto forward_kernel_for(bool normed, bool ring) {
-  return [normed, ring](auto vec, auto vpt) {
+  return [normed, ring](auto vec, auto vpt, auto group) {
     constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    constexpr int kGroup = decltype(group)::value;
     if constexpr (ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
       if (ring) {
-        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, true>
-                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, true>;
+        return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, kGroup, true>
+                      : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, kGroup, true>;
       }
     }
     TORCH_CHECK(!ring, "attnres: no forward ring kernel compiled for a tile of vec=", VEC,
                 ", vpt=", VPT);
-    return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>
-                  : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>;
+    return normed ? depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, kGroup>
+                  : depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, kGroup>;
   };
 }
 
@@ -33,7 +35,7 @@ auto forward_kernel_for(bool normed, bool ring) {
 template <typename scalar_t>
 void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
                     cudaStream_t stream) {
-  launch_tiled<scalar_t>(
+  launch_tiled<scalar_t, kMaxElemsPerThread>(
       forward_kernel_for<scalar_t>(params.norm_weight != nullptr, params.ring_stages > 0),
       params, config, stream);
 }
@@ -41,8 +43,8 @@ void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& c
 template <typename scalar_t>
 int forward_ring_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed) {
   int blocks = 0;
-  with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
-    blocks = blocks_per_sm(forward_kernel_for<scalar_t>(normed, true)(vec, vpt),
+  with_tile<scalar_t, kMaxElemsPerThread>(tile, [&](auto vec, auto vpt, auto group) {
+    blocks = blocks_per_sm(forward_kernel_for<scalar_t>(normed, true)(vec, vpt, group),
                            tile.group * tile.tokens_per_cta, smem_bytes);
   });
   return blocks;

@@ -270,14 +270,75 @@ __device__ __forceinline__ void load_rows(const SourceTable& table,
   }
 }
 
+// The calling thread's place — its group (token slot in the CTA) and its
+// lane among the G threads of the group — and the problem shape, copied
+// from the kernel parameters into registers once (reading them from the
+// parameter space at each use costs registers and spills in the wider
+// tiles). kGroup is the group class (launch.h): G is a constant for the
+// class 32 (lane and group by shifts, every `k * G + lane` folded), read
+// from the parameters otherwise.
+template <int kGroup>
+struct GroupSize {
+  int G;
+  __device__ __forceinline__ explicit GroupSize(int g) : G(g) {}
+};
+template <>
+struct GroupSize<32> {
+  static constexpr int G = 32;
+  __device__ __forceinline__ explicit GroupSize(int) {}
+};
+
+template <int kGroup_>
+struct ThreadPlace : GroupSize<kGroup_> {
+  static constexpr int kGroup = kGroup_;
+  using GroupSize<kGroup_>::G;
+  int group;
+  int lane;
+  int N;
+  int D;
+  int64_t T;
+  template <typename Params>
+  __device__ __forceinline__ explicit ThreadPlace(const Params& p)
+      : GroupSize<kGroup_>(p.group), N(p.N), D(p.D), T(p.T) {
+    if constexpr (kGroup == 32) {
+      group = static_cast<int>(threadIdx.x >> 5);
+      lane = static_cast<int>(threadIdx.x & 31u);
+    } else {
+      group = static_cast<int>(threadIdx.x) / this->G;
+      lane = static_cast<int>(threadIdx.x) - group * this->G;
+    }
+  }
+  // Whether a group spans several warps (G > 32: reductions go through
+  // shared memory and synchronize the CTA); a constant but for kAnyGroup.
+  __device__ __forceinline__ bool multi_warp() const {
+    if constexpr (kGroup == 32) {
+      return false;
+    } else if constexpr (kGroup == kWarpsGroup) {
+      return true;
+    } else {
+      return this->G > 32;
+    }
+  }
+};
+
 // The within-warp part of a group reduction: butterfly shuffles over
-// min(G, 32) lanes (group_allreduce and group_allreduce_wide).
-template <typename T, int NV>
+// min(G, 32) lanes (group_allreduce and group_allreduce_wide). Classes 32
+// and kWarpsGroup: the whole warp, the five steps unrolled; kAnyGroup: a
+// run-time loop (the same offsets, in the same order, for G >= 32).
+template <int kGroup, typename T, int NV>
 __device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
-  const int width = G < 32 ? G : 32;
-  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+  if constexpr (kGroup == kAnyGroup) {
+    const int width = G < 32 ? G : 32;
+    for (int offset = width >> 1; offset > 0; offset >>= 1) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+      for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+    }
+  } else {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+    }
   }
 }
 
@@ -286,11 +347,12 @@ __device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
 // cross-warp step adds the warps' partials in a fixed order). Block mode
 // (G > 32) needs every thread of the CTA to call it; `red` is double
 // buffered by `parity` so one barrier per call suffices.
-template <int NV, typename acc_t>
-__device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
+template <int NV, typename acc_t, int kGroup>
+__device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], const ThreadPlace<kGroup>& pos,
                                                 acc_t* red, int& parity) {
-  warp_allreduce(v, G);
-  if (G > 32) {
+  const int G = pos.G;
+  warp_allreduce<kGroup>(v, G);
+  if (pos.multi_warp()) {
     acc_t* buf = red + parity * (kMaxWarps * kMaxReduce);
     const int warp = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) {
@@ -299,7 +361,7 @@ __device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
     }
     __syncthreads();
     const int warps_per_group = G >> 5;
-    const int first = (threadIdx.x / G) * warps_per_group;
+    const int first = pos.group * warps_per_group;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       acc_t s = buf[first * kMaxReduce + j];
@@ -316,13 +378,15 @@ __device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], int G,
 // the reduction buffer `red` (any type, 16-byte aligned, at least
 // kMaxWarps * NV doubles) used as doubles. Rare path: it brackets its use of
 // `red` with barriers instead of relying on the parity trick.
-template <int NV>
-__device__ __forceinline__ void group_allreduce_wide(double (&v)[NV], int G, void* red) {
+template <int NV, int kGroup>
+__device__ __forceinline__ void group_allreduce_wide(double (&v)[NV],
+                                                     const ThreadPlace<kGroup>& pos, void* red) {
   static_assert(NV * kMaxWarps * sizeof(double) <=
                     2 * kMaxWarps * kMaxReduce * sizeof(float),
                 "reduction buffer too small for the wide reduction");
-  warp_allreduce(v, G);
-  if (G > 32) {
+  const int G = pos.G;
+  warp_allreduce<kGroup>(v, G);
+  if (pos.multi_warp()) {
     double* buf = static_cast<double*>(red);
     __syncthreads();  // earlier readers of red are done
     const int warp = threadIdx.x >> 5;
@@ -332,7 +396,7 @@ __device__ __forceinline__ void group_allreduce_wide(double (&v)[NV], int G, voi
     }
     __syncthreads();
     const int warps_per_group = G >> 5;
-    const int first = (threadIdx.x / G) * warps_per_group;
+    const int first = pos.group * warps_per_group;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       double s = buf[first * NV + j];
@@ -348,8 +412,10 @@ __device__ __forceinline__ void group_allreduce_wide(double (&v)[NV], int G, voi
 // (G > 32: they synchronize the CTA). The rare paths below run when it is
 // true, so every thread that takes part in their reductions is there. One
 // vote per token; with one group per CTA the flag is already uniform.
-__device__ __forceinline__ bool reduction_peers_any(bool flag, int G, int tokens_per_cta) {
-  if (G <= 32) return __any_sync(0xffffffffu, flag);
+template <int kGroup>
+__device__ __forceinline__ bool reduction_peers_any(bool flag, const ThreadPlace<kGroup>& pos,
+                                                    int tokens_per_cta) {
+  if (!pos.multi_warp()) return __any_sync(0xffffffffu, flag);
   if (tokens_per_cta == 1) return flag;
   return __syncthreads_or(flag ? 1 : 0) != 0;
 }
@@ -456,35 +522,15 @@ __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][V
   }
 }
 
-// The calling thread's place — its group (token slot in the CTA) and its
-// lane among the G threads of the group — and the problem shape, copied
-// from the kernel parameters into registers once (reading them from the
-// parameter space at each use costs registers and spills in the wider
-// tiles).
-struct ThreadPlace {
-  int G;
-  int group;
-  int lane;
-  int N;
-  int D;
-  int64_t T;
-  template <typename Params>
-  __device__ __forceinline__ explicit ThreadPlace(const Params& p)
-      : G(p.group), N(p.N), D(p.D), T(p.T) {
-    group = static_cast<int>(threadIdx.x) / G;
-    lane = static_cast<int>(threadIdx.x) - group * G;
-  }
-};
-
 // Issues the copies of this thread's packs of token t's N rows into a
 // staging area (entry (i, k) of lane l at [(i*VPT+k)*G+l]: the packs the
 // register path would load, zero-filled past D by the reader), without
 // committing them. Each thread later reads back only the bytes it copied
 // itself, so only its own wait_group is needed, no barrier. Used by the
 // backward's staging and the forward's ring.
-template <typename scalar_t, int VEC, int VPT, typename Params>
+template <typename scalar_t, int VEC, int VPT, int kGroup, typename Params>
 __device__ __forceinline__ void copy_token_rows_async(const Params& p,
-                                                      const ThreadPlace& pos, int64_t t,
+                                                      const ThreadPlace<kGroup>& pos, int64_t t,
                                                       Pack<scalar_t, VEC>* stage) {
   static_assert(sizeof(Pack<scalar_t, VEC>) == 16, "cp.async stages 16-byte packs");
   for (int i = 0; i < pos.N; ++i) {
@@ -499,9 +545,9 @@ __device__ __forceinline__ void copy_token_rows_async(const Params& p,
 
 // Rows i0 .. i0+SU-1 (zeros past N and past D) of the token staged in
 // `stage` by copy_token_rows_async (this thread's own packs).
-template <int SU, typename scalar_t, int VEC, int VPT>
+template <int SU, typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ void read_staged_rows(const Pack<scalar_t, VEC>* stage,
-                                                 const ThreadPlace& pos, int i0,
+                                                 const ThreadPlace<kGroup>& pos, int i0,
                                                  Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
 #pragma unroll
   for (int j = 0; j < SU; ++j) {
@@ -520,9 +566,9 @@ __device__ __forceinline__ void read_staged_rows(const Pack<scalar_t, VEC>* stag
 
 // Turns the parked scores of token t into weights (the lanes that parked
 // them).
-template <typename scalar_t>
+template <typename scalar_t, int kGroup>
 __device__ __forceinline__ void forward_finish_weights(
-    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const ForwardParams<scalar_t>& p, const ThreadPlace<kGroup>& pos, int64_t t,
     const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm) {
   for (int i = pos.lane; i < pos.N; i += pos.G) {
     const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
@@ -531,9 +577,9 @@ __device__ __forceinline__ void forward_finish_weights(
 }
 
 // Stores h and turns the parked scores into weights (token t).
-template <typename scalar_t, int VEC, int VPT>
+template <typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ void forward_store_token(
-    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const ForwardParams<scalar_t>& p, const ThreadPlace<kGroup>& pos, int64_t t,
     const at::opmath_type<scalar_t> (&acc)[VPT][VEC],
     const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -590,9 +636,9 @@ __device__ __forceinline__ void forward_store_normed_pack(const ForwardParams<sc
 // when some peer's sum is out of range, math::row_needs_rescale), then, when
 // `store`, (h r) * w and h stored once from the registers and the weights
 // finished. Returns the parity.
-template <typename scalar_t, int VEC, int VPT>
+template <typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ int forward_store_token_normed(
-    const ForwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const ForwardParams<scalar_t>& p, const ThreadPlace<kGroup>& pos, int64_t t,
     const at::opmath_type<scalar_t> (&acc)[VPT][VEC],
     const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm, bool store,
     at::opmath_type<scalar_t>* red, int parity) {
@@ -610,10 +656,10 @@ __device__ __forceinline__ int forward_store_token_normed(
       }
     }
   }
-  group_allreduce<1>(ss, pos.G, red, parity);
+  group_allreduce<1>(ss, pos, red, parity);
   acc_t r = math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
   const bool rescale = math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
-  if (reduction_peers_any(rescale, pos.G, p.tokens_per_cta)) {
+  if (reduction_peers_any(rescale, pos, p.tokens_per_cta)) {
     const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
     acc_t sc[1] = {acc_t(0)};
 #pragma unroll
@@ -627,7 +673,7 @@ __device__ __forceinline__ int forward_store_token_normed(
         }
       }
     }
-    group_allreduce<1>(sc, pos.G, red, parity);
+    group_allreduce<1>(sc, pos, red, parity);
     if (rescale) {
       r = math::out_norm_rstd_rescaled(sc[0], scale, static_cast<int64_t>(pos.D), p.norm_eps);
     }
@@ -680,8 +726,9 @@ __device__ __forceinline__ void forward_fold_row(
 
 // Synchronizes the threads that voted together (reduction_peers_any): the
 // warp (G <= 32) or the CTA. Orders their global memory accesses too.
-__device__ __forceinline__ void sync_reduction_peers(int G) {
-  if (G <= 32) {
+template <int kGroup>
+__device__ __forceinline__ void sync_reduction_peers(const ThreadPlace<kGroup>& pos) {
+  if (!pos.multi_warp()) {
     __syncwarp();
   } else {
     __syncthreads();
@@ -696,9 +743,9 @@ __device__ __forceinline__ void sync_reduction_peers(int G) {
 // so it adds no register pressure to the fast path. kNorm: h is formed
 // again, for its sum of squares (the output norm's r, rescued in turn when
 // out of range), and stored as (h r) * w (and h). Returns the parity.
-template <typename scalar_t, int VEC, int VPT, bool kNorm>
+template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
 __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t>& p,
-                                                    const ThreadPlace& pos, int64_t t, bool store,
+                                                    const ThreadPlace<kGroup>& pos, int64_t t, bool store,
                                                     at::opmath_type<scalar_t>* red, int parity) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
@@ -723,7 +770,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
         }
       }
     }
-    group_allreduce<2>(sums, pos.G, red, parity);
+    group_allreduce<2>(sums, pos, red, parity);
     const bool need = math::row_needs_rescale(sums[0], sums[1], p.eps);
     const acc_t scale = need ? math::rescale_factor(sums[0]) : acc_t(1);
     acc_t scaled[2] = {acc_t(0), acc_t(0)};
@@ -740,7 +787,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
         }
       }
     }
-    group_allreduce<2>(scaled, pos.G, red, parity);
+    group_allreduce<2>(scaled, pos, red, parity);
     acc_t r, sc;
     if (need) {
       math::rescaled_stats(scaled[0], scaled[1], scale, static_cast<int64_t>(pos.D), p.eps, r, sc);
@@ -760,7 +807,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
       sm.push(sc, keep, take);
     }
   }
-  sync_reduction_peers(pos.G);  // the parked scores are visible
+  sync_reduction_peers(pos);  // the parked scores are visible
   if constexpr (kNorm) {
     // This thread's pack of h at column c, from the weights (the same bits
     // each time).
@@ -790,7 +837,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
         for (int e = 0; e < VEC; ++e) ss[0] += h[e] * h[e];
       }
     }
-    group_allreduce<1>(ss, pos.G, red, parity);
+    group_allreduce<1>(ss, pos, red, parity);
     const bool rescale = store && math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
     const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
     acc_t sc[1] = {acc_t(0)};
@@ -808,7 +855,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
         }
       }
     }
-    group_allreduce<1>(sc, pos.G, red, parity);
+    group_allreduce<1>(sc, pos, red, parity);
     const acc_t r = rescale ? math::out_norm_rstd_rescaled(sc[0], scale,
                                                            static_cast<int64_t>(pos.D), p.norm_eps)
                             : math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
@@ -845,7 +892,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
       store_global<scalar_t, VEC>(out_row + c, o);
     }
   }
-  sync_reduction_peers(pos.G);  // every read of the parked scores is done
+  sync_reduction_peers(pos);  // every read of the parked scores is done
   if (store) forward_finish_weights(p, pos, t, sm);
   return parity;
 }
@@ -855,9 +902,9 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
 // groups of the last block copy a valid token, like the register path) and
 // commits them as one group, so every thread commits one group per token
 // block and wait_group counts alike in every thread.
-template <typename scalar_t, int VEC, int VPT>
+template <typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ void forward_ring_fill(const ForwardParams<scalar_t>& p,
-                                                  const ThreadPlace& pos, int64_t tb,
+                                                  const ThreadPlace<kGroup>& pos, int64_t tb,
                                                   Pack<scalar_t, VEC>* stage) {
   if (tb < p.token_blocks) {
     const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
@@ -884,7 +931,8 @@ __device__ __forceinline__ void forward_ring_fill(const ForwardParams<scalar_t>&
 // 128-register cap at 512 threads): without it ptxas gave the small ring
 // tiles (fp16 <8, 1>, fp32 <4, 1>, <4, 2>) 64 registers and spills; 0 (no
 // minimum) leaves the register pipeline's kernels as they were.
-template <typename scalar_t, int VEC, int VPT, bool kNorm, bool kRing = false>
+// kGroup: the class of G (group_class, launch.h).
+template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup, bool kRing = false>
 __global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -893,7 +941,7 @@ __global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
   static_assert(!kRing || sizeof(Row) == 16, "the ring copies 16-byte packs");
   __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
 
-  const ThreadPlace pos(p);
+  const ThreadPlace<kGroup> pos(p);
   int parity = 0;
 
   // kRing: this group's stages (stage s at ring + s * stage_packs), the
@@ -967,7 +1015,7 @@ __global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];
       row_dots<RowDots::kSquaresAndU>(rows, rows[0], p.u, pos.lane, pos.G, pos.D, sums);
-      group_allreduce<2 * SU>(sums, pos.G, red, parity);
+      group_allreduce<2 * SU>(sums, pos, red, parity);
 
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
@@ -1007,7 +1055,7 @@ __global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
 
     // Rare: a row of some token of this warp/CTA is out of range
     // (math::row_needs_rescale): that token is computed again.
-    if (reduction_peers_any(rescue, pos.G, p.tokens_per_cta)) {
+    if (reduction_peers_any(rescue, pos, p.tokens_per_cta)) {
       parity = forward_token_rescue<scalar_t, VEC, VPT, kNorm>(p, pos, t, rescue && active, red,
                                                                parity);
     }
@@ -1022,9 +1070,9 @@ __global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
 // they are).
 
 // This thread's element (k, e) of row i of token t, or 0 past D.
-template <typename scalar_t, int VEC, int VPT>
+template <typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch(const BackwardParams<scalar_t>& p,
-                                                          const ThreadPlace& pos, int i,
+                                                          const ThreadPlace<kGroup>& pos, int i,
                                                           int64_t t, int k) {
   using Row = Pack<scalar_t, VEC>;
   const int c = (k * pos.G + pos.lane) * VEC;
@@ -1068,9 +1116,9 @@ __device__ __forceinline__ void norm_gn_add(at::opmath_type<scalar_t>& gn,
 // c = <g, n> / D of token t again, for the rare path (every thread of the
 // CTA calls it), from memory one pack at a time: the fast path's r and c
 // are not kept in registers across the sweep.
-template <typename scalar_t, int VEC, int VPT>
+template <typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ at::opmath_type<scalar_t> norm_token_c(
-    const BackwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t,
+    const BackwardParams<scalar_t>& p, const ThreadPlace<kGroup>& pos, int64_t t,
     at::opmath_type<scalar_t> r, at::opmath_type<scalar_t>* red, int& parity) {
   using acc_t = at::opmath_type<scalar_t>;
   acc_t gn[1] = {acc_t(0)};
@@ -1084,7 +1132,7 @@ __device__ __forceinline__ at::opmath_type<scalar_t> norm_token_c(
           load_global<acc_t, VEC>(p.norm_weight + c), r);
     }
   }
-  group_allreduce<1>(gn, pos.G, red, parity);
+  group_allreduce<1>(gn, pos, red, parity);
   return gn[0] / static_cast<acc_t>(pos.D);
 }
 
@@ -1103,9 +1151,9 @@ __device__ __forceinline__ at::opmath_type<scalar_t>* norm_dw_slots(
 
 // This thread's pack k of dh for token t: read (the plain op), or formed
 // again from dy and h (kNorm; norm_r, norm_c: the token's r and <g, n>/D).
-template <bool kNorm, typename scalar_t, int VEC>
+template <bool kNorm, typename scalar_t, int VEC, int kGroup>
 __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(
-    const BackwardParams<scalar_t>& p, const ThreadPlace& pos, int64_t t, int k,
+    const BackwardParams<scalar_t>& p, const ThreadPlace<kGroup>& pos, int64_t t, int k,
     at::opmath_type<scalar_t> norm_r, at::opmath_type<scalar_t> norm_c) {
   const int c = (k * pos.G + pos.lane) * VEC;
   if (c >= pos.D) return zero_pack<scalar_t, VEC>();
@@ -1121,9 +1169,9 @@ __device__ __forceinline__ Pack<scalar_t, VEC> rare_fetch_dh(
 
 // Backward: rows i0 .. i0+SU-1 of token t (zeros past N and past D), from
 // this group's staging area (two-pass, staged) or from global memory.
-template <LoadHint kHint, int SU, typename scalar_t, int VEC, int VPT>
+template <LoadHint kHint, int SU, typename scalar_t, int VEC, int VPT, int kGroup>
 __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_t>& p,
-                                                    const ThreadPlace& pos,
+                                                    const ThreadPlace<kGroup>& pos,
                                                     const Pack<scalar_t, VEC>* stage, bool staged,
                                                     int i0, int64_t t,
                                                     Pack<scalar_t, VEC> (&rows)[SU][VPT]) {
@@ -1174,7 +1222,7 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 // (shared or global memory, not registers: they live across the sweep);
 // the rest is the plain backward from dh. The accumulators become one
 // partial row per CTA (groups in a fixed order), summed like z's.
-template <typename scalar_t, int VEC, int VPT, bool kNorm>
+template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
 __global__ void __launch_bounds__(kMaxThreads)
     depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -1189,7 +1237,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
   ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
-  const ThreadPlace pos(p);
+  const ThreadPlace<kGroup> pos(p);
   int parity = 0;
   // u, copied once per CTA into the front of the dynamic shared memory
   // (float accumulation, u_in_shared): it is read for every row of every
@@ -1285,7 +1333,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           hk[k] = zero_pack<scalar_t, VEC>();
         }
       }
-      group_allreduce<1>(gn, pos.G, red, parity);
+      group_allreduce<1>(gn, pos, red, parity);
       const acc_t norm_c = gn[0] / static_cast<acc_t>(pos.D);
       acc_t* const slots = p.norm_dw_partial && active
                                ? norm_dw_slots<scalar_t, VEC, VPT>(p, dynamic_smem)
@@ -1378,7 +1426,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
       }
     }
-    group_allreduce<1>(sum_a_dp, pos.G, red, parity);
+    group_allreduce<1>(sum_a_dp, pos, red, parity);
 
     // The sweep: batch b = step (single pass) or n_batches - 1 - step
     // (two-pass: last batch first).
@@ -1402,7 +1450,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
       acc_t sums[2 * SU];  // dp_i, <u, v_i>
       row_dots<RowDots::kDhAndU, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, sums);
-      group_allreduce<2 * SU>(sums, pos.G, red, parity);
+      group_allreduce<2 * SU>(sums, pos, red, parity);
 
 #pragma unroll
       for (int j = 0; j < SU; ++j) {
@@ -1474,7 +1522,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           if (pos.lane == 0) dp += static_cast<double>(weight_grad(p, idx));
           wide_sum[0] += static_cast<double>(p.weights[idx]) * dp;
         }
-        group_allreduce_wide<1>(wide_sum, pos.G, red);
+        group_allreduce_wide<1>(wide_sum, pos, red);
         acc_t* z_row = p.z_partial ? p.z_partial + static_cast<int64_t>(blockIdx.x) * pos.D : nullptr;
         if (z_row && !z_row_started) {
           for (int d = threadIdx.x; d < pos.D; d += blockDim.x) z_row[d] = acc_t(0);
@@ -1503,8 +1551,8 @@ __global__ void __launch_bounds__(kMaxThreads)
               }
             }
           }
-          group_allreduce<2>(sums, pos.G, red, parity);
-          group_allreduce_wide<2>(wide, pos.G, red);
+          group_allreduce<2>(sums, pos, red, parity);
+          group_allreduce_wide<2>(wide, pos, red);
           const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
           bool apply = false;
           math::SourceGrad<double> gw{0.0, 0.0, 0.0};

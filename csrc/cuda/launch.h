@@ -168,35 +168,103 @@ struct LaunchConfig {
   size_t smem_bytes = 0;  // dynamic shared memory
 };
 
-// Calls f(std::integral_constant<int, VEC>, std::integral_constant<int, VPT>)
-// for the compiled tile matching (vec, vpt).
-template <typename scalar_t, typename F>
-void with_tile(int vec, int vpt, F&& f) {
+// Group classes: the kernels take the group size G as a compile-time class
+// (docs/design.md §7), so that its reductions and lane arithmetic unroll
+// where the class fixes them:
+//  - 32: exactly a warp per token (G = 32): the 5-step butterfly unrolled,
+//    lane and group by constant shifts.
+//  - kWarpsGroup: G = 32 w with w > 1 known at run time: the warp stage
+//    unrolled, the cross-warp stage (w partials) at run time.
+//  - kAnyGroup: G at run time (sub-warp G, and every G on the scalar path,
+//    which is not a fast path).
+constexpr int kAnyGroup = 0;
+constexpr int kWarpsGroup = -1;
+
+constexpr int group_class(int vec, int G) {
+  return vec == 1 || G < 32 ? kAnyGroup : G == 32 ? 32 : kWarpsGroup;
+}
+
+// The backward keeps dh and the query-gradient partial in registers besides
+// the rows: it prefers at most 16 elements per thread (choose_backward_tile,
+// plan.h); the forward takes up to kMaxElemsPerThread.
+constexpr int kBackwardPreferredElems = 16;
+
+// Whether the kernel whose tiles prefer at most preferred_elems elements per
+// thread (the forward: kMaxElemsPerThread; the backward:
+// kBackwardPreferredElems) is compiled for tile (vec, vpt) and group class
+// cls: exactly the (tile, class) pairs choose_tile can produce for D = 1 ..
+// 16384 (the emulation test sweeps D to check both ways: every pair chosen
+// is compiled, every compiled pair is chosen for some D).
+//  - the scalar path: kAnyGroup only;
+//  - kAnyGroup (sub-warp G): only with one pack per thread (the first tile
+//    that fits a warp is taken, vpt = 1 for up to 32 packs);
+//  - 32: every 16-byte tile within the preferred elements (wider tiles are
+//    taken only when a token needs more than 256 threads of preferred ones);
+//  - kWarpsGroup: every 16-byte tile with vpt > 1; with vpt = 1 when the
+//    widest preferred tile has fewer than 8 packs per thread (then rows of
+//    more than 32 such tiles' packs but at most 256 packs take vpt = 1).
+constexpr bool group_class_is_compiled(int vec, int vpt, int natural, int preferred_elems,
+                                       int cls) {
+  if (!tile_is_compiled(vec, vpt, natural)) return false;
+  if (vec == 1) return cls == kAnyGroup;
+  if (cls == kAnyGroup) return vpt == 1;
+  if (cls == 32) return vec * vpt <= preferred_elems;
+  if (cls != kWarpsGroup) return false;
+  const int widest_preferred = preferred_elems / vec < 8 ? preferred_elems / vec : 8;
+  return vpt > 1 || widest_preferred < 8;
+}
+
+// Calls f(std::integral_constant<int, VEC>, std::integral_constant<int, VPT>,
+// std::integral_constant<int, kGroup>) for the compiled kernel of the tile
+// (its vec, vpt and the class of its G) of a kernel that prefers at most
+// kPreferredElems elements per thread (group_class_is_compiled). Any other
+// tile or G is refused: no kernel is compiled for it.
+template <typename scalar_t, int kPreferredElems, typename F>
+void with_tile(const TileConfig& tile, F&& f) {
   constexpr int NV = natural_vec<scalar_t>();
   using std::integral_constant;
-  if (vec == NV) {
-    switch (vpt) {
-      case 1: return f(integral_constant<int, NV>{}, integral_constant<int, 1>{});
-      case 2: return f(integral_constant<int, NV>{}, integral_constant<int, 2>{});
-      case 4: return f(integral_constant<int, NV>{}, integral_constant<int, 4>{});
+  const int cls = group_class(tile.vec, tile.group);
+  bool called = false;
+  auto with_class = [&](auto vec, auto vpt) {
+    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+    auto call = [&](auto group) {
+      if constexpr (group_class_is_compiled(VEC, VPT, NV, kPreferredElems,
+                                            decltype(group)::value)) {
+        called = true;
+        f(vec, vpt, group);
+      }
+    };
+    switch (cls) {
+      case kAnyGroup: return call(integral_constant<int, kAnyGroup>{});
+      case 32: return call(integral_constant<int, 32>{});
+      case kWarpsGroup: return call(integral_constant<int, kWarpsGroup>{});
+      default: return;
+    }
+  };
+  if (tile.vec == NV) {
+    switch (tile.vpt) {
+      case 1: with_class(integral_constant<int, NV>{}, integral_constant<int, 1>{}); break;
+      case 2: with_class(integral_constant<int, NV>{}, integral_constant<int, 2>{}); break;
+      case 4: with_class(integral_constant<int, NV>{}, integral_constant<int, 4>{}); break;
       case 8:
         if constexpr (tile_is_compiled(NV, 8, NV)) {
-          return f(integral_constant<int, NV>{}, integral_constant<int, 8>{});
+          with_class(integral_constant<int, NV>{}, integral_constant<int, 8>{});
         }
         break;
       default: break;
     }
-  } else if (vec == 1) {
-    switch (vpt) {
-      case 1: return f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
-      case 4: return f(integral_constant<int, 1>{}, integral_constant<int, 4>{});
-      case 16: return f(integral_constant<int, 1>{}, integral_constant<int, 16>{});
-      case 32: return f(integral_constant<int, 1>{}, integral_constant<int, 32>{});
+  } else if (tile.vec == 1) {
+    switch (tile.vpt) {
+      case 1: with_class(integral_constant<int, 1>{}, integral_constant<int, 1>{}); break;
+      case 4: with_class(integral_constant<int, 1>{}, integral_constant<int, 4>{}); break;
+      case 16: with_class(integral_constant<int, 1>{}, integral_constant<int, 16>{}); break;
+      case 32: with_class(integral_constant<int, 1>{}, integral_constant<int, 32>{}); break;
       default: break;
     }
   }
-  TORCH_CHECK(false, "attnres: no CUDA kernel compiled for a tile of vec=", vec,
-              ", vpt=", vpt);
+  TORCH_CHECK(called, "attnres: no CUDA kernel compiled for a tile of vec=", tile.vec,
+              ", vpt=", tile.vpt, " with G=", tile.group, " (group class ", cls,
+              ") in a kernel preferring <= ", kPreferredElems, " elements per thread");
 }
 
 // Defined in forward.cu / backward.cu for float, double, Half, BFloat16.

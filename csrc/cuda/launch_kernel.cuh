@@ -60,13 +60,14 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem_bytes) {
   return blocks;
 }
 
-// Launches kernel_for(VEC, VPT) — the kernel template instantiated for the
-// config's tile — on params.
-template <typename scalar_t, typename KernelFor, typename Params>
+// Launches kernel_for(VEC, VPT, kGroup) — the kernel template instantiated
+// for the config's tile and the class of its G (with_tile: a kernel whose
+// tiles prefer at most kPreferredElems elements per thread) — on params.
+template <typename scalar_t, int kPreferredElems, typename KernelFor, typename Params>
 void launch_tiled(KernelFor kernel_for, const Params& params, const LaunchConfig& config,
                   cudaStream_t stream) {
-  with_tile<scalar_t>(config.tile.vec, config.tile.vpt, [&](auto vec, auto vpt) {
-    auto* kernel = kernel_for(vec, vpt);
+  with_tile<scalar_t, kPreferredElems>(config.tile, [&](auto vec, auto vpt, auto group) {
+    auto* kernel = kernel_for(vec, vpt, group);
     allow_dynamic_smem(kernel, config.smem_bytes);
     const int threads = config.tile.group * config.tile.tokens_per_cta;
     kernel<<<static_cast<unsigned>(config.grid), threads, config.smem_bytes, stream>>>(params);

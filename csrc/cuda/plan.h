@@ -90,10 +90,8 @@ inline TileConfig choose_tile(int64_t D, bool vector_ok, int natural,
   TORCH_CHECK(false, "attnres: no CUDA tile for D = ", D);
 }
 
-// The backward keeps dh and the query-gradient partial in registers besides
-// the rows: it prefers at most 16 elements per thread.
-constexpr int kBackwardPreferredElems = 16;
-
+// The backward prefers at most kBackwardPreferredElems (launch.h) elements
+// per thread.
 inline TileConfig choose_backward_tile(int64_t D, bool vector_ok, int natural) {
   return choose_tile(D, vector_ok, natural, kBackwardPreferredElems);
 }

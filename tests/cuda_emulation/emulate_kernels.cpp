@@ -18,6 +18,8 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <tuple>
+#include <utility>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -30,6 +32,10 @@
 using namespace attnres::cuda;
 
 namespace {
+
+const char* group_class_name(int cls) {
+  return cls == kAnyGroup ? "any" : cls == kWarpsGroup ? "warps" : "32";
+}
 
 template <typename T>
 const char* dtype_name() {
@@ -111,6 +117,10 @@ struct Case {
   // Whether the backward runs at all (the forward ring sweep skips it: the
   // ring is the forward's).
   bool run_backward = true;
+  // The kernels of the tile's group class (launch.h) are run again as their
+  // kAnyGroup instantiation (G at run time: the kernels before the classes)
+  // and every output must have the same bits.
+  bool check_any_group_bits = false;
 };
 
 // Cases whose forward took the cp.async ring (each also compared bit for
@@ -225,37 +235,52 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   const TileConfig& ftile = fwd.config.tile;
   const auto fgrid = static_cast<unsigned>(fwd.config.grid);
-  auto run_forward_with = [&](const KernelLaunch<ForwardParams<scalar_t>>& launch) {
+  // The kernels of the tile's group class (with_tile, as the CUDA launchers
+  // pick them) with the launch's ring or register pipeline, or (as_any) the
+  // same through the kAnyGroup instantiation.
+  auto run_forward_with = [&](const KernelLaunch<ForwardParams<scalar_t>>& launch,
+                              bool as_any) {
     const TileConfig& tile = launch.config.tile;
-    with_tile<scalar_t>(tile.vec, tile.vpt, [&](auto vec, auto vpt) {
+    with_tile<scalar_t, kMaxElemsPerThread>(tile, [&](auto vec, auto vpt, auto group) {
       constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+      constexpr int kClass = decltype(group)::value;
       const bool ring = launch.params.ring_stages > 0;
       if constexpr (!ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
         if (ring) throw std::runtime_error("plan_forward chose a ring for a tile without one");
       }
-      emu::launch(static_cast<unsigned>(launch.config.grid), tile.group * tile.tokens_per_cta,
-                  launch.config.smem_bytes, [&] {
-                    if constexpr (ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
-                      if (ring) {
-                        if (c.norm) {
-                          depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, true>(
-                              launch.params);
-                        } else {
-                          depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, true>(
-                              launch.params);
+      auto run = [&](auto cls) {
+        constexpr int kGroup = decltype(cls)::value;
+        emu::launch(static_cast<unsigned>(launch.config.grid), tile.group * tile.tokens_per_cta,
+                    launch.config.smem_bytes, [&] {
+                      if constexpr (ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
+                        if (ring) {
+                          if (c.norm) {
+                            depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, kGroup, true>(
+                                launch.params);
+                          } else {
+                            depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, kGroup, true>(
+                                launch.params);
+                          }
+                          return;
                         }
-                        return;
                       }
-                    }
-                    if (c.norm) {
-                      depth_attention_fwd_kernel<scalar_t, VEC, VPT, true>(launch.params);
-                    } else {
-                      depth_attention_fwd_kernel<scalar_t, VEC, VPT, false>(launch.params);
-                    }
-                  });
+                      if (c.norm) {
+                        depth_attention_fwd_kernel<scalar_t, VEC, VPT, true, kGroup>(
+                            launch.params);
+                      } else {
+                        depth_attention_fwd_kernel<scalar_t, VEC, VPT, false, kGroup>(
+                            launch.params);
+                      }
+                    });
+      };
+      if (as_any) {
+        run(std::integral_constant<int, kAnyGroup>{});
+      } else {
+        run(std::integral_constant<int, kClass>{});
+      }
     });
   };
-  auto run_forward = [&] { run_forward_with(fwd); };
+  auto run_forward = [&](bool as_any = false) { run_forward_with(fwd, as_any); };
   run_forward();
   // The ring must give the register pipeline's bits: run that into fresh
   // buffers (set up like the first run's) and compare every output.
@@ -273,7 +298,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       set_forward_norm<scalar_t>(reg.params, w_out.data(), out_rstd2.data(),
                                  c.keep_h ? h2.data() : nullptr, static_cast<acc_t>(c.out_eps));
     }
-    run_forward_with(reg);
+    run_forward_with(reg, false);
     ring_same_bits = reg.params.ring_stages == 0 && same_bits(out, out2) &&
                      same_bits(rstd, rstd2) && same_bits(weights, weights2) &&
                      same_bits(h_kept, h2) && same_bits(out_rstd, out_rstd2);
@@ -284,6 +309,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     fwd.params.norm_h = h_kept.data();  // the backward's h
     run_forward();
   }
+  const int fclass = group_class(ftile.vec, ftile.group);
 
   // Backward, from the forward's h (single pass: float32/float64; the
   // norm: every dtype) and statistics.
@@ -319,18 +345,30 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
                                 want_dw ? dw_partial.data() : nullptr,
                                 dw_slots.empty() ? nullptr : dw_slots.data());
   }
-  with_tile<scalar_t>(btile.vec, btile.vpt, [&](auto vec, auto vpt) {
-    constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
-    if (!c.run_backward) return;
-    emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
-                bwd.config.smem_bytes, [&] {
-                  if (c.norm) {
-                    depth_attention_bwd_kernel<scalar_t, VEC, VPT, true>(bwd.params);
-                  } else {
-                    depth_attention_bwd_kernel<scalar_t, VEC, VPT, false>(bwd.params);
-                  }
-                });
-  });
+  auto run_backward = [&](bool as_any = false) {
+    with_tile<scalar_t, kBackwardPreferredElems>(btile, [&](auto vec, auto vpt, auto group) {
+      constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
+      constexpr int kGroup = decltype(group)::value;
+      if (!c.run_backward) return;
+      emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
+                  bwd.config.smem_bytes, [&] {
+                    if (as_any) {
+                      if (c.norm) {
+                        depth_attention_bwd_kernel<scalar_t, VEC, VPT, true, kAnyGroup>(bwd.params);
+                      } else {
+                        depth_attention_bwd_kernel<scalar_t, VEC, VPT, false, kAnyGroup>(
+                            bwd.params);
+                      }
+                    } else if (c.norm) {
+                      depth_attention_bwd_kernel<scalar_t, VEC, VPT, true, kGroup>(bwd.params);
+                    } else {
+                      depth_attention_bwd_kernel<scalar_t, VEC, VPT, false, kGroup>(bwd.params);
+                    }
+                  });
+    });
+  };
+  run_backward();
+  const int bclass = group_class(btile.vec, btile.group);
   auto sum_rows = [&](std::vector<acc_t>& rows) {
     std::vector<acc_t> sum(D, static_cast<acc_t>(NAN));
     emu::launch(static_cast<unsigned>(ceil_div(D, kSumColumns)), kSumColumns * kSumSlices, 0,
@@ -340,6 +378,37 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   std::vector<double> z(D, NAN), dw;
   if (!c.partial && c.run_backward) z = sum_rows(partial);
   if (want_dw && c.run_backward) dw = sum_rows(dw_partial);
+
+  // The same launches through the kAnyGroup instantiations (G at run time),
+  // into fresh (NaN) buffers: every output must have the same bits as the
+  // class's kernels gave.
+  double any_group_bits_differ = 0.0;
+  if (c.check_any_group_bits) {
+    auto refill = [](auto& xs) {
+      using T = typename std::decay_t<decltype(xs)>::value_type;
+      std::fill(xs.begin(), xs.end(), static_cast<T>(NAN));
+    };
+    const auto out0 = out, h0 = h_kept;
+    const auto rstd0 = rstd, weights0 = weights, out_rstd0 = out_rstd;
+    const auto partial0 = partial, dw_partial0 = dw_partial;
+    const auto grads0 = grads;
+    refill(out), refill(h_kept), refill(rstd), refill(weights), refill(out_rstd);
+    refill(partial), refill(dw_partial), refill(dw_slots);
+    for (auto& g : grads) refill(g);
+    if (c.norm && !c.keep_h) {
+      fwd.params.norm_h = nullptr;
+      run_forward(true);
+      fwd.params.norm_h = h_kept.data();
+    }
+    run_forward(true);
+    // (the backward reads h from its copy, made from the first run's h)
+    run_backward(true);
+    bool same = same_bits(out, out0) && same_bits(h_kept, h0) && same_bits(rstd, rstd0) &&
+                same_bits(weights, weights0) && same_bits(out_rstd, out_rstd0) &&
+                same_bits(partial, partial0) && same_bits(dw_partial, dw_partial0);
+    for (int i = 0; i < N; ++i) same = same && same_bits(grads[i], grads0[i]);
+    any_group_bits_differ = same ? 0.0 : 1.0;
+  }
 
   // Float64 evaluation of docs/design.md §1-§2 (and §11's output norm),
   // token by token.
@@ -464,6 +533,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     checks.push_back({"unwanted_grad_written", untouched ? 0.0 : 1.0, 0.0});
   }
 
+  if (c.check_any_group_bits) checks.push_back({"any_group_bits", any_group_bits_differ, 0.0});
   if (c.h_extra_stride != 0 && (backward_single_pass<scalar_t>() || c.norm)) {
     // A row stride of h that is not a multiple of the pack refuses the
     // 16-byte path; one that is keeps it (D permitting).
@@ -526,17 +596,148 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   } else if (!c.check_backward) {
     range += " (backward unchecked)";
   }
-  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d tpc=%d grid=%u "
-              "ring=%d] bwd[%s vec=%d vpt=%d G=%d tpc=%d grid=%ld stage=%d]%s%s%s\n",
+  std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d/%s tpc=%d grid=%u "
+              "ring=%d] bwd[%s vec=%d vpt=%d G=%d/%s tpc=%d grid=%ld stage=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
               c.misaligned ? " misaligned" : "", c.misaligned_h ? " misaligned_h" : "",
-              range.c_str(), ftile.vec, ftile.vpt, ftile.group,
+              range.c_str(), ftile.vec, ftile.vpt, ftile.group, group_class_name(fclass),
               ftile.tokens_per_cta, fgrid, fplan.ring_stages,
               backward_single_pass<scalar_t>() ? "1-pass" : "2-pass", btile.vec, btile.vpt,
-              btile.group, btile.tokens_per_cta, long(bgrid), int(plan.stage),
+              btile.group, group_class_name(bclass), btile.tokens_per_cta, long(bgrid),
+              int(plan.stage),
               c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
   std::fflush(stdout);
   return ok;
+}
+
+// The group classes (launch.h) against the tiles the host plans (plan.h):
+// for every D = 1 .. 16384 and both alignments of the rows (16-byte packs
+// allowed or not), the forward's tile (choose_tile) and the backward's
+// (choose_backward_tile) with the class of their G must be compiled
+// (group_class_is_compiled) and dispatched by with_tile; every compiled
+// (tile, class) pair must be chosen for some D (no dead instantiation); a
+// tile with a G of no compiled class must be refused by with_tile. Returns
+// the failures and appends, per (tile, class) pair, a case of the median of
+// the D (and alignments) that choose it (not the smallest: the normed
+// single-pass backward at D = 1 is as inaccurate as the composition,
+// docs/design.md §7).
+template <typename scalar_t>
+int check_group_classes(std::vector<Case>& class_cases) {
+  constexpr int natural = natural_vec<scalar_t>();
+  int failures = 0;
+  std::map<std::pair<int64_t, bool>, bool> case_d;  // (D, vector_ok)
+  auto sweep = [&](const char* kernel, int preferred, auto plan, auto dispatch) {
+    std::map<std::tuple<int, int, int>, std::vector<std::pair<int64_t, bool>>> chosen;
+    int64_t unmapped = 0;
+    for (bool vector_ok : {true, false}) {
+      for (int64_t D = 1; D <= kMaxD; ++D) {
+        const TileConfig tile = plan(D, vector_ok);
+        const int cls = group_class(tile.vec, tile.group);
+        bool dispatched = false;
+        try {
+          dispatch(tile, dispatched);
+        } catch (const c10::Error&) {
+        }
+        if (!group_class_is_compiled(tile.vec, tile.vpt, natural, preferred, cls) ||
+            !dispatched) {
+          if (unmapped++ < 5) {
+            std::printf("FAIL %s %s D=%ld vector_ok=%d: tile <%d, %d> G=%d (class %s) has no "
+                        "compiled kernel\n",
+                        dtype_name<scalar_t>(), kernel, long(D), int(vector_ok), tile.vec,
+                        tile.vpt, tile.group, group_class_name(cls));
+          }
+          continue;
+        }
+        chosen[std::make_tuple(tile.vec, tile.vpt, cls)].emplace_back(D, vector_ok);
+      }
+    }
+    failures += unmapped > 0 ? 1 : 0;
+    int compiled = 0, dead = 0;
+    std::string pairs;
+    for (int vec : {natural, 1}) {
+      for (int vpt : kCandidateVpts) {
+        for (int cls : {kAnyGroup, 32, kWarpsGroup}) {
+          if (!group_class_is_compiled(vec, vpt, natural, preferred, cls)) continue;
+          ++compiled;
+          const auto it = chosen.find(std::make_tuple(vec, vpt, cls));
+          char buf[64];
+          if (it == chosen.end()) {
+            ++dead;
+            std::printf("FAIL %s %s: tile <%d, %d> class %s is compiled but no D chooses it\n",
+                        dtype_name<scalar_t>(), kernel, vec, vpt, group_class_name(cls));
+            continue;
+          }
+          auto& ds = it->second;
+          std::sort(ds.begin(), ds.end());
+          const auto median = ds[ds.size() / 2];
+          std::snprintf(buf, sizeof buf, " <%d,%d>/%s:D=%ld..%ld,case %ld%s", vec, vpt,
+                        group_class_name(cls), long(ds.front().first), long(ds.back().first),
+                        long(median.first), median.second ? "" : "(unaligned)");
+          pairs += buf;
+          case_d.emplace(median, true);
+        }
+      }
+    }
+    failures += dead > 0 ? 1 : 0;
+    std::printf("%s %-8s %s group classes: %d (tile, class) kernels compiled, %ld of %ld "
+                "(D, alignment) plans unmapped, %d never chosen:%s\n",
+                unmapped == 0 && dead == 0 ? "ok  " : "FAIL", dtype_name<scalar_t>(), kernel,
+                compiled, long(unmapped), long(2 * kMaxD), dead, pairs.c_str());
+  };
+  sweep(
+      "forward", kMaxElemsPerThread,
+      [](int64_t D, bool vector_ok) { return choose_tile(D, vector_ok, natural); },
+      [](const TileConfig& tile, bool& dispatched) {
+        with_tile<scalar_t, kMaxElemsPerThread>(tile,
+                                                [&](auto, auto, auto) { dispatched = true; });
+      });
+  sweep(
+      "backward", kBackwardPreferredElems,
+      [](int64_t D, bool vector_ok) { return choose_backward_tile(D, vector_ok, natural); },
+      [](const TileConfig& tile, bool& dispatched) {
+        with_tile<scalar_t, kBackwardPreferredElems>(
+            tile, [&](auto, auto, auto) { dispatched = true; });
+      });
+  // A G of a class not compiled for the tile is refused, naming the tile
+  // and G (the forward's 16-byte tiles: G = 8 with several packs per thread,
+  // G = 64 with one pack where no D takes it).
+  {
+    bool refused = true;
+    for (int vpt : kCandidateVpts) {
+      for (int G : {8, 64}) {
+        TileConfig tile;
+        tile.vec = natural;
+        tile.vpt = vpt;
+        tile.group = G;
+        if (!tile_is_compiled(natural, vpt, natural) ||
+            group_class_is_compiled(natural, vpt, natural, kMaxElemsPerThread,
+                                    group_class(natural, G))) {
+          continue;
+        }
+        bool called = false, threw = false;
+        try {
+          with_tile<scalar_t, kMaxElemsPerThread>(tile, [&](auto, auto, auto) { called = true; });
+        } catch (const c10::Error& e) {
+          const std::string what = e.what();
+          threw = what.find("vpt=" + std::to_string(vpt)) != std::string::npos &&
+                  what.find("G=" + std::to_string(G)) != std::string::npos;
+        }
+        refused = refused && threw && !called;
+      }
+    }
+    failures += refused ? 0 : 1;
+    std::printf("%s %-8s with_tile refuses a G of no compiled class, naming tile and G\n",
+                refused ? "ok  " : "FAIL", dtype_name<scalar_t>());
+  }
+  // One case per (D, alignment): N = 3, T = 5 tokens (a second CTA and the
+  // token loop for the warp and block classes, surplus groups for the
+  // sub-warp ones), misaligned sources where the scalar path is wanted.
+  for (const auto& [dv, unused] : case_d) {
+    Case c{3, 5, static_cast<int>(dv.first), 0, !dv.second, 2};
+    c.check_any_group_bits = true;
+    class_cases.push_back(c);
+  }
+  return failures;
 }
 
 }  // namespace
@@ -633,6 +834,25 @@ int main(int argc, char** argv) {
     if (!only.empty() && only != dtype_name<scalar_t>()) return;
     for (const auto& c : cases) failures += run_case<scalar_t>(c, rng) ? 0 : 1;
   };
+  // The group classes: every (tile, class) kernel the plans can choose, and
+  // only those, is compiled; each runs here, plain and normed, against
+  // float64 and bit for bit against its kAnyGroup instantiation.
+  auto run_group_classes = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    if (!only.empty() && only != dtype_name<scalar_t>()) return;
+    std::vector<Case> cases;
+    failures += check_group_classes<scalar_t>(cases);
+    std::vector<Case> with_norm = cases;
+    for (Case c : cases) {
+      c.norm = true;
+      with_norm.push_back(c);
+    }
+    run(tag, with_norm);
+  };
+  run_group_classes(double{});
+  run_group_classes(float{});
+  run_group_classes(c10::BFloat16{});
+  run_group_classes(c10::Half{});
   //            N    T     D  +stride misaligned grid_cap
   // h read from a misaligned copy: the single-pass backward (float32/64)
   // must take the scalar path although the sources allow 16-byte packs.

@@ -59,3 +59,8 @@ def test_cuda_kernels_emulated_on_cpu(emulator, dtype):
     # for bit) in this dtype's cases.
     ring = [line for line in result.stdout.splitlines() if line.endswith("took the forward ring")]
     assert ring and int(ring[0].split()[0]) >= 10, result.stdout[-2000:]
+    # The group classes' D sweep ran for both kernels, and every class case
+    # was compared bit for bit with its kAnyGroup instantiation.
+    for kernel in ("forward", "backward"):
+        assert f"{kernel} group classes:" in result.stdout, result.stdout
+    assert "any_group_bits=0" in result.stdout, result.stdout
