@@ -40,6 +40,12 @@
 namespace attnres {
 namespace cuda {
 
+// The minimum of resident CTAs per SM the kernels are compiled for (the
+// second argument of __launch_bounds__): one, i.e. up to 65536 / kMaxThreads
+// = 128 registers a thread, as the maximum block size alone allows, but
+// stated: without it ptxas may choose 64 registers and spill.
+constexpr int kKernelMinCtas = 1;
+
 // Compile-time shape of one thread's slice of a row.
 template <typename scalar_t, int VEC_, int VPT_>
 struct Tile {
@@ -838,9 +844,12 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
 // Forward: one pass over the sources with an online softmax; each source row
 // is read from global memory exactly once. kNorm (the fused output norm):
 // the epilogue normalizes h in registers before its one store
-// (forward_store_token_normed).
+// (forward_store_token_normed). __launch_bounds__ states one CTA per SM as
+// the minimum (kKernelMinCtas): without it ptxas picks 64 registers and
+// spills for some kernels (the fp32 normed forward of the group class 32,
+// the fp64 32-element tiles) where 128 are allowed.
 template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
@@ -1090,7 +1099,7 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 // the rest is the plain backward from dh. The accumulators become one
 // partial row per CTA (groups in a fixed order), summed like z's.
 template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
