@@ -40,6 +40,12 @@
 namespace attnres {
 namespace cuda {
 
+// The minimum of resident CTAs per SM the kernels are compiled for (the
+// second argument of __launch_bounds__): one, i.e. up to 65536 / kMaxThreads
+// = 128 registers a thread, as the maximum block size alone allows, but
+// stated: without it ptxas may choose 64 registers and spill.
+constexpr int kKernelMinCtas = 1;
+
 // Compile-time shape of one thread's slice of a row.
 template <typename scalar_t, int VEC_, int VPT_>
 struct Tile {
@@ -927,13 +933,13 @@ __device__ __forceinline__ void forward_ring_fill(const ForwardParams<scalar_t>&
 // refills the stage with the token S blocks ahead. Each thread reads back
 // only the packs it copied (copy_token_rows_async): no barrier. The same
 // arithmetic in the same order as the register pipeline: the same bits.
-// The ring kernels state one resident CTA per SM as their minimum (the same
-// 128-register cap at 512 threads): without it ptxas gave the small ring
-// tiles (fp16 <8, 1>, fp32 <4, 1>, <4, 2>) 64 registers and spills; 0 (no
-// minimum) leaves the register pipeline's kernels as they were.
-// kGroup: the class of G (group_class, launch.h).
+// kGroup: the class of G (group_class, launch.h). __launch_bounds__ states
+// one CTA per SM as the minimum (kKernelMinCtas): without it ptxas picks 64
+// registers and spills for some kernels (the small ring tiles fp16 <8, 1>,
+// fp32 <4, 1>, <4, 2>; the fp32 normed forward of the group class 32; the
+// fp64 32-element tiles) where 128 are allowed.
 template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup, bool kRing = false>
-__global__ void __launch_bounds__(kMaxThreads, kRing ? 1 : 0)
+__global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     depth_attention_fwd_kernel(const __grid_constant__ ForwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
@@ -1223,7 +1229,7 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 // the rest is the plain backward from dh. The accumulators become one
 // partial row per CTA (groups in a fixed order), summed like z's.
 template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
