@@ -506,7 +506,28 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.norm) {
     checks.push_back({"h", rel_err(as_double(h_kept), ref_h), tol.output});
-    checks.push_back({"out_rstd", rel_err(as_double(out_rstd), ref_out_rstd), tol.stats});
+    // r from the kernel's own h (rounded to the dtype): against the
+    // reference's h a bf16/fp16 element whose fp32 accumulation and float64
+    // value round to neighbouring values moves sum(h^2) by ~2^-8 / D (seen:
+    // 3.3e-5 at D = 256), beyond the statistics' tolerance; h itself is
+    // checked above against the reference.
+    std::vector<double> own_out_rstd(T);
+    for (int64_t t = 0; t < T; ++t) {
+      double m = 0;  // max |h|, so the squares stay in range
+      for (int d = 0; d < D; ++d) m = std::max(m, std::fabs(double(h_kept[t * D + d])));
+      double sumsq = 0;
+      for (int d = 0; d < D; ++d) {
+        const double x = m > 0 ? double(h_kept[t * D + d]) / m : 0.0;
+        sumsq += x * x;
+      }
+      // 1 / sqrt(m^2 sumsq / D + eps); m outside the root where eps is 0
+      // or negligible (m^2 overflows), so neither overflow nor underflow.
+      const double q = m * m * sumsq / D;
+      own_out_rstd[t] = std::isfinite(q) && c.out_eps > 0 ? 1.0 / std::sqrt(q + c.out_eps)
+                                                          : 1.0 / (m * std::sqrt(sumsq / D));
+    }
+    checks.push_back({"out_rstd", rel_err(as_double(out_rstd), own_out_rstd), tol.stats});
+    checks.push_back({"out_rstd_vs_ref", rel_err(as_double(out_rstd), ref_out_rstd), tol.output});
     if (!c.keep_h) checks.push_back({"h_written_unkept", h_written_unkept ? 1.0 : 0.0, 0.0});
     if (want_dw && c.check_backward) checks.push_back({"dw", rel_err(dw, ref_dw), tol.grad});
   }
