@@ -1042,6 +1042,26 @@ int main(int argc, char** argv) {
   ring_sweep(float{}, 128);
   ring_sweep(c10::BFloat16{}, 256);
   ring_sweep(c10::Half{}, 256);
+  // Ring refills that carry data: one CTA walks more than S token blocks, so
+  // stages are refilled and read again, in every group class (sub-warp G at
+  // run time, whole warps, a warp); forward and backward, plain and normed.
+  auto ring_refills = [&](auto tag, std::vector<Case> cases) {
+    std::vector<Case> all;
+    for (const Case& c : cases) {
+      all.push_back(c);
+      all.push_back(normed(c));
+    }
+    run(tag, all);
+  };
+  ring_refills(c10::BFloat16{}, {{3, 200, 64, 0, false, 1},     // G = 8, 7 blocks
+                                 {2, 8, 4096, 0, false, 1},     // G = 256 warps, 8 blocks
+                                 {2, 9, 2048, 0, false, 1}});   // warps at vpt = 1
+  ring_refills(c10::Half{}, {{3, 200, 64, 0, false, 1}, {2, 8, 4096, 0, false, 1}});
+  ring_refills(float{}, {{3, 100, 32, 0, false, 1},     // G = 8, 4 blocks
+                         {3, 200, 64, 0, false, 1},     // G = 16, 13 blocks
+                         {2, 8, 2048, 0, false, 1},     // warps
+                         {2, 9, 1024, 0, false, 1}});   // a warp, 5 blocks
+  ring_refills(double{}, {{3, 200, 64, 0, false, 1}, {2, 8, 1024, 0, false, 1}});
   std::printf("%d case(s) took the forward ring\n", ring_cases);
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
