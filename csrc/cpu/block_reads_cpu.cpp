@@ -152,9 +152,10 @@ void row_load(acc_t* dst, const scalar_t* src, int64_t D) {
 
 // rstd and the scores of one row for `count` effective queries, rescued
 // (depth_math.h: a power-of-two multiple of the row) when the plain sums are
-// out of range. Rare, so the rescue is scalar.
+// out of range. Rare, so the rescue is scalar. Returns whether the row took
+// the rescue.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int64_t D,
+bool row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int64_t D,
                     acc_t eps, acc_t& r, acc_t* scores) {
   acc_t sumsq = 0;
   row_many_dots<true>(v, u, count, D, sumsq, scores);
@@ -165,7 +166,7 @@ void row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int
   if (!rescue) {
     r = math::rstd_from_sumsq(sumsq, D, eps);
     for (int64_t g = 0; g < count; ++g) scores[g] = math::score(r, scores[g]);
-    return;
+    return false;
   }
   const acc_t c = math::rescale_factor(sumsq);
   acc_t sumsq_c = 0;
@@ -178,6 +179,7 @@ void row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int
     for (int64_t j = 0; j < D; ++j) dot_c += u[g][j] * (static_cast<acc_t>(v[j]) * c);
     math::rescaled_stats(sumsq_c, dot_c, c, D, eps, r, scores[g]);
   }
+  return true;
 }
 
 // Rows of a tensor [..., D] (strided rows used in place; as_rows copies the
@@ -253,11 +255,13 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   const int64_t tile = phase1_tile<scalar_t>(N, D);
   at::parallel_for(0, T, tile, [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0);
-    std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N);
+    std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N), rescue_row;
     std::vector<const scalar_t*> rows(N);
     std::vector<scalar_t*> out_rows(S);
+    std::vector<char> rescued(tile);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
       const int64_t n_tok = std::min(tile, t_end - t0);
+      std::fill(rescued.begin(), rescued.end(), 0);
       // Sweep 1, from memory, source-major over the tile (its rows of one
       // source are adjacent: one long stream): rstd_i and every reader's
       // score s_{s,i}.
@@ -265,7 +269,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
           acc_t r;
-          row_stats_many(src[i].row(t), u_rows.data(), S, D, eps, r, sc.data());
+          rescued[k] |= row_stats_many(src[i].row(t), u_rows.data(), S, D, eps, r, sc.data());
           rstd_p[i * T + t] = r;
           for (int64_t s = 0; s < S; ++s) scores[(k * S + s) * N + i] = sc[s];
         }
@@ -293,6 +297,15 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
         if (h_keep) out_rows[0] = h_keep + t * D;
         rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
+        if (rescued[k]) {
+          // Rows near the dtype's limits: each y_s again, kept in the rows'
+          // range (an ulp of excess weight at the maximum is inf; §8).
+          rescue_row.resize(D);
+          for (int64_t s = 0; s < S; ++s) {
+            row_average_in_range(rescue_row.data(), rows.data(), w.data() + s * N, N, D);
+            for (int64_t j = 0; j < D; ++j) out_rows[s][j] = static_cast<scalar_t>(rescue_row[j]);
+          }
+        }
         if (norm) {
           row_load(hbuf.data(), out_rows[0], D);
           norm_rstd[t] = row_normed_store(out_p[0] + t * D, static_cast<scalar_t*>(nullptr),
@@ -553,12 +566,12 @@ void merge_forward_impl(const MergeForwardCall& call) {
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<acc_t> hbuf(norm ? D : 0);
+    std::vector<acc_t> hbuf(norm ? D : 0), rescue_row;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const scalar_t* y = y_rows.row(t);
       const scalar_t* P = p_rows.row(t);
       acc_t r, s;
-      row_stats_many(P, &u, 1, D, eps, r, &s);
+      const bool rescued = row_stats_many(P, &u, 1, D, eps, r, &s);
       // The exact merge: phase 1's state (m, l) = (lse, 1), plus score s.
       math::OnlineSoftmax<acc_t> st;
       st.init(lse_p[t]);
@@ -570,6 +583,21 @@ void merge_forward_impl(const MergeForwardCall& call) {
       scalar_t* out = out_p + t * D;
       const AVec vk(keep), vt(take), vf(f);
       int64_t j = 0;
+      if (rescued) {
+        // The block sum is near the dtype's limits: h kept in the range of
+        // y and P (an ulp of excess weight at the maximum is inf; §8).
+        rescue_row.resize(D);
+        const scalar_t* rows[2] = {y, P};
+        const acc_t w[2] = {keep, take};
+        row_average_in_range(rescue_row.data(), rows, w, 2, D);
+        if (norm) {
+          norm_rstd[t] = row_normed_store(out, h_keep ? h_keep + t * D : nullptr,
+                                          rescue_row.data(), f, norm_w, norm_eps, D);
+        } else {
+          for (int64_t c = 0; c < D; ++c) out[c] = static_cast<scalar_t>(rescue_row[c] * f);
+        }
+        continue;
+      }
       if (norm) {
         acc_t* hb = hbuf.data();
         for (; j + L::kStep <= D; j += L::kStep) {

@@ -241,21 +241,23 @@ void row_scaled_sums(const scalar_t* v, const acc_t* u, acc_t c, int64_t D,
 }
 
 // rstd and score of one row: the plain sums, rescued when out of range.
+// Returns whether the row took the rescue.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>,
           typename Companion = NoStep>
-void row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
+bool row_stats(const scalar_t* v, const acc_t* u, int64_t D, acc_t eps,
                acc_t& r, acc_t& s, const Companion other = {}) {
   acc_t sumsq, dot_uv;
   row_two_dots</*kSquares=*/true>(v, u, u, D, sumsq, dot_uv, other);
   if (!math::row_needs_rescale(sumsq, dot_uv, eps)) {
     r = math::rstd_from_sumsq(sumsq, D, eps);
     s = math::score(r, dot_uv);
-    return;
+    return false;
   }
   const acc_t c = math::rescale_factor(sumsq);
   acc_t sumsq_c, dot_c;
   row_scaled_sums(v, u, c, D, sumsq_c, dot_c);
   math::rescaled_stats(sumsq_c, dot_c, c, D, eps, r, s);
+  return true;
 }
 
 // dst = src (converted to the accumulation type).
@@ -424,8 +426,12 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
     std::vector<acc_t> acc(tile * D);
     std::vector<acc_t> scores(N * tile);
     std::vector<math::OnlineSoftmax<acc_t>> sm(tile);
+    std::vector<char> rescued(tile);
+    std::vector<const scalar_t*> rows(N);
+    std::vector<acc_t> w(N);
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t n_tok = std::min(tile, end - t0);
+      std::fill(rescued.begin(), rescued.end(), 0);
       for (int64_t i = 0; i < N; ++i) {
         // Token k's step of the weighted sum is done in the sweep of token
         // k+1's row (row_two_dots' companion), the last one on its own.
@@ -434,13 +440,15 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
           const int64_t t = t0 + k;
           const scalar_t* v = src.row(i, t);
           acc_t r, sc;
+          bool rescue;
           if (k == 0) {
-            row_stats(v, u, D, eps, r, sc);
+            rescue = row_stats(v, u, D, eps, r, sc);
           } else if (i == 0) {
-            row_stats(v, u, D, eps, r, sc, InitStep<scalar_t>{pending.acc, pending.v});
+            rescue = row_stats(v, u, D, eps, r, sc, InitStep<scalar_t>{pending.acc, pending.v});
           } else {
-            row_stats(v, u, D, eps, r, sc, pending);
+            rescue = row_stats(v, u, D, eps, r, sc, pending);
           }
+          rescued[k] |= rescue;
           rstd_p[i * T + t] = r;
           scores[i * tile + k] = sc;
           pending.acc = acc.data() + k * D;
@@ -459,6 +467,16 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
       }
       for (int64_t k = 0; k < n_tok; ++k) {
         const int64_t t = t0 + k;
+        if (rescued[k]) {
+          // Rows near the dtype's limits: h again from the final weights,
+          // kept in the rows' range (an ulp of excess weight at the
+          // maximum is inf; docs/design.md §8).
+          for (int64_t i = 0; i < N; ++i) {
+            rows[i] = src.row(i, t);
+            w[i] = sm[k].weight(scores[i * tile + k]);
+          }
+          row_average_in_range(acc.data() + k * D, rows.data(), w.data(), N, D);
+        }
         if (norm) {
           norm_rstd[t] = row_normed_store(out_p + t * D, h_keep ? h_keep + t * D : nullptr,
                                           acc.data() + k * D, sm[k].out_factor(), norm_w,

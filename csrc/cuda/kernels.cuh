@@ -741,6 +741,35 @@ __device__ __forceinline__ void sync_reduction_peers(const ThreadPlace<kGroup>& 
   }
 }
 
+// The rescue's pack of h at column c of token t: sum_i w_i v_i from the
+// final weights (the scores parked in p.weights), clamped to each column's
+// range of the rows (math::clamp_to_range: the weights sum to 1 only up to
+// rounding, and rows at the dtype's maximum would give inf).
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ void forward_rescued_pack(
+    const ForwardParams<scalar_t>& p, int N, int64_t T, int64_t t, int c,
+    const math::OnlineSoftmax<at::opmath_type<scalar_t>>& sm,
+    at::opmath_type<scalar_t> (&h)[VEC]) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Row = Pack<scalar_t, VEC>;
+  acc_t lo[VEC], hi[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
+  for (int i = 0; i < N; ++i) {
+    const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * T + t]);
+    const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t x = static_cast<acc_t>(v.x[e]);
+      h[e] += w * x;
+      lo[e] = i == 0 || x < lo[e] ? x : lo[e];
+      hi[e] = i == 0 || x > hi[e] ? x : hi[e];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) h[e] = math::clamp_to_range(h[e], lo[e], hi[e]);
+}
+
 // The rare rescue of token t (docs/design.md §8), called by every thread
 // that voted with this one: the rows' rstd and scores again, with the
 // rescued sums (row scaled by a power of two) where the plain sums are out
@@ -819,15 +848,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
     // each time).
     const acc_t f = sm.out_factor();
     auto h_pack = [&](int c, acc_t (&h)[VEC]) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
-      for (int i = 0; i < pos.N; ++i) {
-        const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * pos.T + t]);
-        const Row v =
-            load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
-      }
+      forward_rescued_pack<scalar_t, VEC>(p, pos.N, pos.T, t, c, sm, h);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) h[e] = norm_input<scalar_t>(h[e] * f);
     };
@@ -884,14 +905,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
       const int c = (k * pos.G + pos.lane) * VEC;
       if (c >= pos.D) continue;
       acc_t acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = acc_t(0);
-      for (int i = 0; i < pos.N; ++i) {
-        const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * pos.T + t]);
-        const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] += w * static_cast<acc_t>(v.x[e]);
-      }
+      forward_rescued_pack<scalar_t, VEC>(p, pos.N, pos.T, t, c, sm, acc);
       Row o;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o.x[e] = static_cast<scalar_t>(acc[e] * f);

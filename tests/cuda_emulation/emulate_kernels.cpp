@@ -92,6 +92,10 @@ struct Case {
   double eps = 1e-6;
   bool nan_query = false;
   double dh_scale = 1.0;  // small dh keeps the query gradient representable
+  // Every source row the same: +magnitude[0] in even columns, -magnitude[0]
+  // in odd ones (equal scores, weights 1/N that sum to 1 only up to
+  // rounding: at the dtype's maximum h must stay finite, docs/design.md §8).
+  bool at_magnitude = false;
   // The backward reads h (single pass) from a copy one element past an
   // aligned address: the 16-byte path must then be refused.
   bool misaligned_h = false;
@@ -185,6 +189,12 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       x = c.magnitude.empty()
               ? static_cast<scalar_t>(normal(rng) * (1 + i % 3))
               : static_cast<scalar_t>(uniform(rng) * c.magnitude[i % c.magnitude.size()]);
+    }
+    if (c.at_magnitude) {
+      for (int64_t k = 0; k < static_cast<int64_t>(src[i].size()); ++k) {
+        const int64_t col = (k - offset) % stride;
+        src[i][k] = static_cast<scalar_t>(col % 2 == 0 ? c.magnitude[0] : -c.magnitude[0]);
+      }
     }
   }
   std::vector<acc_t> u(D);
@@ -601,6 +611,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
+  if (c.at_magnitude) range += " at_magnitude";
   if (c.h_extra_stride != 0) range += " h_stride=" + std::to_string(D + c.h_extra_stride);
   if (c.norm) {
     range += std::string(" +norm[") + (c.keep_h ? "keep_h" : "no_h") + (want_dw ? " dw" : "") +
@@ -945,6 +956,27 @@ int main(int argc, char** argv) {
                         range_case(9, 20, 1024, {3e38, 1e-30, 1.0}, 1e-6, false, 3, 1e-20)});
   run(c10::Half{}, {range_case(4, 10, 64, {6e4, 1e-4}),
                     range_case(1, 4, 64, {}, 1e-6, true)});
+  // Every source at the dtype's maximum (forward only): the weights' sum an
+  // ulp above 1 made h inf (N >= 6); the rescue keeps h in the rows' range.
+  auto at_maximum = [](int N, int64_t T, int D, double max, bool norm = false) {
+    Case c = range_case(N, T, D, {max});
+    c.at_magnitude = true;
+    c.run_backward = false;
+    c.check_backward = false;
+    c.norm = norm;
+    return c;
+  };
+  // N: where sum_i fl(fl(1/N) max) overflows without FMA (the host build;
+  // fp32 10, 18, ..., fp64 11, 17, ...) or with it (fp32 6, as a GPU may
+  // contract).
+  run(double{}, {at_maximum(11, 3, 70, 1.7976931348623157e308),
+                 at_maximum(17, 3, 64, 1.7976931348623157e308, true)});
+  run(float{}, {at_maximum(6, 3, 64, 3.4028234663852886e38),
+                at_maximum(10, 5, 1024, 3.4028234663852886e38),
+                at_maximum(18, 3, 4100, 3.4028234663852886e38),
+                at_maximum(10, 3, 33, 3.4028234663852886e38, true)});
+  run(c10::BFloat16{}, {at_maximum(7, 4, 1024, 3.3895313892515355e38),
+                        at_maximum(13, 3, 64, 3.3895313892515355e38, true)});
   // The fused output norm (depth_attention_normed): every path above with
   // the epilogue's norm and the prologue's dh, h kept or not, the weight
   // gradient wanted or not (its accumulators in shared memory, or in

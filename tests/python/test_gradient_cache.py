@@ -118,6 +118,35 @@ def test_forward_outputs_come_from_the_cache_with_the_same_bits(which, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("out_norm", [False, True])
+def test_training_forwards_take_their_outputs_from_the_cache_too(out_norm):
+    # With autograd recording, the forward's outputs (h, and with the fused
+    # norm y and the saved h) come from blocks freed by the previous step,
+    # with the same values and gradients as without the cache.
+    srcs, q, g, dh = _problem(n=4)
+    w = (1 + 0.1 * torch.randn(q.shape[0], generator=torch.Generator().manual_seed(2))).requires_grad_()
+    kwargs = {"out_weight": w} if out_norm else {}
+
+    def step():
+        h = attnres.depth_attention(srcs, q, g, **kwargs)
+        return (h.detach().clone(), *torch.autograd.grad(h, srcs + [q, g], dh))
+
+    attnres.set_cpu_gradient_cache_limit(0)
+    off = step()
+    attnres.set_cpu_gradient_cache_limit(256 * MIB)
+    attnres.empty_cpu_gradient_cache()
+    step()  # fills the cache when its outputs are freed
+    s1 = attnres.cpu_gradient_cache_stats()
+    h = attnres.depth_attention(srcs, q, g, **kwargs)
+    s2 = attnres.cpu_gradient_cache_stats()
+    # The forward's [T, D] outputs: h (plain), or y and the kept h (fused norm).
+    assert s2["hits"] - s1["hits"] == (2 if out_norm else 1) and s2["misses"] == s1["misses"]
+    del h
+    on = step()
+    for a, b in zip(off, on):
+        assert torch.equal(a, b)
+
+
 def test_the_limit_bounds_the_kept_bytes_and_zero_turns_it_off():
     attnres.set_cpu_gradient_cache_limit(256 * MIB)
     problem = _problem(n=5)

@@ -129,6 +129,16 @@ ATTNRES_HD T online_accumulate(T acc, T keep, T take, T v) {
   return acc * keep + take * v;
 }
 
+// x clamped to [lo, hi]; NaN stays NaN. A read's h is a weighted average of
+// its rows, so each column of it lies in the rows' range there; the weights
+// sum to 1 only up to rounding, and at the dtype's maximum an ulp above 1 is
+// inf. Tokens whose rows took the range rescue below clamp h to that range
+// (docs/design.md §8).
+template <typename T>
+ATTNRES_HD T clamp_to_range(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
 // ---- range: rescued rows --------------------------------------------------
 // Powers of two a row is multiplied by when its plain sums are unusable:
 //   big:   sum(v^2) overflowed. Then max|v| >= sqrt(max/D); after the scale
