@@ -298,11 +298,11 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         if (h_keep) out_rows[0] = h_keep + t * D;
         rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
         if (rescued[k]) {
-          // Rows near the dtype's limits: each y_s again, kept in the rows'
-          // range (an ulp of excess weight at the maximum is inf; §8).
+          // Rows near the dtype's limits: each y_s again, kept finite (an
+          // ulp of excess weight at the maximum is inf; §8).
           rescue_row.resize(D);
           for (int64_t s = 0; s < S; ++s) {
-            row_average_in_range(rescue_row.data(), rows.data(), w.data() + s * N, N, D);
+            row_average_kept_finite(rescue_row.data(), rows.data(), w.data() + s * N, N, D);
             for (int64_t j = 0; j < D; ++j) out_rows[s][j] = static_cast<scalar_t>(rescue_row[j]);
           }
         }
@@ -584,12 +584,12 @@ void merge_forward_impl(const MergeForwardCall& call) {
       const AVec vk(keep), vt(take), vf(f);
       int64_t j = 0;
       if (rescued) {
-        // The block sum is near the dtype's limits: h kept in the range of
-        // y and P (an ulp of excess weight at the maximum is inf; §8).
+        // The block sum is near the dtype's limits: h kept finite (an ulp
+        // of excess weight at the maximum is inf; §8).
         rescue_row.resize(D);
         const scalar_t* rows[2] = {y, P};
         const acc_t w[2] = {keep, take};
-        row_average_in_range(rescue_row.data(), rows, w, 2, D);
+        row_average_kept_finite(rescue_row.data(), rows, w, 2, D);
         if (norm) {
           norm_rstd[t] = row_normed_store(out, h_keep ? h_keep + t * D : nullptr,
                                           rescue_row.data(), f, norm_w, norm_eps, D);

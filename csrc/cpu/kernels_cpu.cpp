@@ -469,13 +469,13 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
         const int64_t t = t0 + k;
         if (rescued[k]) {
           // Rows near the dtype's limits: h again from the final weights,
-          // kept in the rows' range (an ulp of excess weight at the
-          // maximum is inf; docs/design.md §8).
+          // kept finite (an ulp of excess weight at the maximum is inf;
+          // docs/design.md §8).
           for (int64_t i = 0; i < N; ++i) {
             rows[i] = src.row(i, t);
             w[i] = sm[k].weight(scores[i * tile + k]);
           }
-          row_average_in_range(acc.data() + k * D, rows.data(), w.data(), N, D);
+          row_average_kept_finite(acc.data() + k * D, rows.data(), w.data(), N, D);
         }
         if (norm) {
           norm_rstd[t] = row_normed_store(out_p + t * D, h_keep ? h_keep + t * D : nullptr,

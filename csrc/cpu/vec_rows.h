@@ -82,25 +82,19 @@ acc_t hsum(const Vectorized<acc_t>& v) {
 }
 
 // h of one token whose rows took the range rescue (docs/design.md §8):
-// sum_i w_i v_i in math::WideType (no overflow between the terms), clamped
-// to each column's range of the rows (math::clamp_to_range: the weights sum
-// to 1 only up to rounding), in the accumulation dtype. Scalar: rare tokens
-// only.
+// sum_i w_i v_i in math::WideType (no overflow between the terms), kept
+// finite (math::keep_finite: the weights sum to 1 only up to rounding), in
+// the accumulation dtype. Scalar: rare tokens only.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void row_average_in_range(acc_t* out, const scalar_t* const* rows, const acc_t* w, int64_t N,
-                          int64_t D) {
+void row_average_kept_finite(acc_t* out, const scalar_t* const* rows, const acc_t* w, int64_t N,
+                             int64_t D) {
   using wide_t = typename math::WideType<acc_t>::type;
   for (int64_t j = 0; j < D; ++j) {
     wide_t sum = 0;
-    acc_t lo = static_cast<acc_t>(rows[0][j]), hi = lo;
     for (int64_t i = 0; i < N; ++i) {
-      const acc_t v = static_cast<acc_t>(rows[i][j]);
-      sum += static_cast<wide_t>(w[i]) * static_cast<wide_t>(v);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
+      sum += static_cast<wide_t>(w[i]) * static_cast<wide_t>(static_cast<acc_t>(rows[i][j]));
     }
-    out[j] = static_cast<acc_t>(math::clamp_to_range(sum, static_cast<wide_t>(lo),
-                                                     static_cast<wide_t>(hi)));
+    out[j] = static_cast<acc_t>(math::keep_finite<acc_t>(sum));
   }
 }
 

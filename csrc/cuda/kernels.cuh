@@ -742,9 +742,10 @@ __device__ __forceinline__ void sync_reduction_peers(const ThreadPlace<kGroup>& 
 }
 
 // The rescue's pack of h at column c of token t: sum_i w_i v_i from the
-// final weights (the scores parked in p.weights), clamped to each column's
-// range of the rows (math::clamp_to_range: the weights sum to 1 only up to
-// rounding, and rows at the dtype's maximum would give inf).
+// final weights (the scores parked in p.weights), kept finite
+// (math::keep_finite: the weights sum to 1 only up to rounding, and rows at
+// the dtype's maximum would give inf). No per-element bounds: the rescue is
+// inlined, and the registers it holds count for the fast path too.
 template <typename scalar_t, int VEC>
 __device__ __forceinline__ void forward_rescued_pack(
     const ForwardParams<scalar_t>& p, int N, int64_t T, int64_t t, int c,
@@ -752,22 +753,16 @@ __device__ __forceinline__ void forward_rescued_pack(
     at::opmath_type<scalar_t> (&h)[VEC]) {
   using acc_t = at::opmath_type<scalar_t>;
   using Row = Pack<scalar_t, VEC>;
-  acc_t lo[VEC], hi[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
   for (int i = 0; i < N; ++i) {
     const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * T + t]);
     const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const acc_t x = static_cast<acc_t>(v.x[e]);
-      h[e] += w * x;
-      lo[e] = i == 0 || x < lo[e] ? x : lo[e];
-      hi[e] = i == 0 || x > hi[e] ? x : hi[e];
-    }
+    for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
   }
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) h[e] = math::clamp_to_range(h[e], lo[e], hi[e]);
+  for (int e = 0; e < VEC; ++e) h[e] = math::keep_finite<acc_t>(h[e]);
 }
 
 // The rare rescue of token t (docs/design.md §8), called by every thread

@@ -297,17 +297,17 @@ def test_values_at_the_maximum_average_without_overflow(device):
 
 # The weights of a token sum to 1 only up to rounding: at the dtype's maximum
 # a sum of weights a little above 1 overflowed to inf (the one-call read for
-# N >= 6, the merge for n = 3, 6, 10, ...). h is a weighted average, so it
-# lies in each column's range of the sources; tokens whose rows took the
-# range rescue are clamped to it (docs/design.md §8).
+# N >= 6, the merge for n = 3, 6, 10, ...). h is a weighted average, so
+# |h| <= max|v|; tokens whose rows took the range rescue keep it finite
+# (docs/design.md §8).
 MAX_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
 
 
 def _at_the_maximum(dtype, n, device="cpu", d=8, tokens=3):
     big = torch.finfo(dtype).max
     gen = torch.Generator().manual_seed(n)
-    # Columns at +max, at -max, and a random mix of max and max / 2 (so the
-    # clamp's bounds differ per column); token 0 at +max throughout.
+    # Columns at +max, at -max, and a random mix of max and max / 2; token 0
+    # at +max throughout.
     srcs = []
     for i in range(n):
         col = torch.where(torch.rand(tokens, d, generator=gen) < 0.5, 1.0, 0.5).double() * big
@@ -318,24 +318,17 @@ def _at_the_maximum(dtype, n, device="cpu", d=8, tokens=3):
     return srcs
 
 
-def _column_range(srcs):
-    stacked = torch.stack([s.double().cpu() for s in srcs])
-    return stacked.amin(0), stacked.amax(0)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", MAX_DTYPES, ids=str)
-def test_one_call_read_at_the_maximum_stays_in_the_sources_range(device, dtype):
+def test_one_call_read_at_the_maximum_stays_finite(device, dtype):
     for n in range(1, 14):
         srcs = _at_the_maximum(dtype, n, device)
         d = srcs[0].shape[-1]
         for q in (torch.zeros(d), torch.linspace(-1, 1, d)):
             q = q.to(param_dtype(dtype)).to(device)
             h = attnres.depth_attention(srcs, q)
-            lo, hi = _column_range(srcs)
             hd = h.double().cpu()
             assert torch.isfinite(hd).all(), (dtype, n)
-            assert ((hd >= lo) & (hd <= hi)).all(), (dtype, n)
             _, ref_w = depth_attention_ref([s.double().cpu() for s in srcs], q.double().cpu())
             # Compared in units of the maximum (fp64's norms would overflow).
             big = torch.finfo(dtype).max
@@ -348,30 +341,28 @@ def test_one_call_read_at_the_maximum_stays_in_the_sources_range(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", MAX_DTYPES, ids=str)
-def test_block_reads_at_the_maximum_stay_in_the_sources_range(dtype):
+def test_block_reads_at_the_maximum_stay_finite(dtype):
     d = 8
     pd = param_dtype(dtype)
     queries = torch.stack([torch.zeros(d), torch.linspace(-1, 1, d)]).to(pd)
     for n in range(1, 14):
         srcs = _at_the_maximum(dtype, n)
-        lo, hi = _column_range(srcs)
         outs, lse = attnres.block_reads(srcs, queries)
-        for y in outs:
-            yd = y.double()
-            assert torch.isfinite(yd).all() and ((yd >= lo) & (yd <= hi)).all(), (dtype, n)
+        big = torch.finfo(dtype).max
+        for s, y in enumerate(outs):
+            assert torch.isfinite(y).all(), (dtype, n)
+            one_call = attnres.depth_attention(srcs, queries[s]).double()
+            assert rel_err(y.double() / big, one_call / big) < REL_TOL[dtype], (dtype, n, s)
         # Phase 2 with a block sum at the maximum too: equal to the one-call
         # read over the n sources and the block sum.
         block = _at_the_maximum(dtype, n + 1)[-1]
-        lo2, hi2 = _column_range(srcs + [block])
         for s in range(2):
             for h in (attnres.block_read_merge(outs[s], lse[s], block, queries[s]),
                       attnres.block_read_merge(outs[s], lse[s], block, queries[s],
                                                out_weight=torch.ones(d, dtype=pd))):
                 assert torch.isfinite(h).all(), (dtype, n, s)
             h = attnres.block_read_merge(outs[s], lse[s], block, queries[s]).double()
-            assert ((h >= lo2) & (h <= hi2)).all(), (dtype, n, s)
             one_call = attnres.depth_attention(srcs + [block], queries[s]).double()
-            big = torch.finfo(dtype).max
             assert rel_err(h / big, one_call / big) < REL_TOL[dtype], (dtype, n, s)
 
 

@@ -129,16 +129,6 @@ ATTNRES_HD T online_accumulate(T acc, T keep, T take, T v) {
   return acc * keep + take * v;
 }
 
-// x clamped to [lo, hi]; NaN stays NaN. A read's h is a weighted average of
-// its rows, so each column of it lies in the rows' range there; the weights
-// sum to 1 only up to rounding, and at the dtype's maximum an ulp above 1 is
-// inf. Tokens whose rows took the range rescue below clamp h to that range
-// (docs/design.md §8).
-template <typename T>
-ATTNRES_HD T clamp_to_range(T x, T lo, T hi) {
-  return x < lo ? lo : (x > hi ? hi : x);
-}
-
 // ---- range: rescued rows --------------------------------------------------
 // Powers of two a row is multiplied by when its plain sums are unusable:
 //   big:   sum(v^2) overflowed. Then max|v| >= sqrt(max/D); after the scale
@@ -162,6 +152,17 @@ struct RangeConstants<double> {
   static constexpr double kTiny = 0x1p-1000;
   static constexpr double kMax = 1.79769313486231570815e+308;
 };
+
+// A read's h is a weighted average of its rows, so |h| <= max|v|, within
+// the dtype's range; but the weights sum to 1 only up to rounding, and at
+// the maximum an ulp of excess weight is inf. Tokens whose rows took the
+// range rescue (the only ones with values that large) keep h finite with
+// this; NaN stays NaN (docs/design.md §8). T: acc_t or a wider type.
+template <typename acc_t, typename T>
+ATTNRES_HD T keep_finite(T x) {
+  const T m = static_cast<T>(RangeConstants<acc_t>::kMax);
+  return x > m ? m : (x < -m ? -m : x);
+}
 
 ATTNRES_HD float abs_acc(float x) { return ::fabsf(x); }
 ATTNRES_HD double abs_acc(double x) { return ::fabs(x); }
