@@ -1264,19 +1264,20 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
   int parity = 0;
   // The ring, the staging area or the z sum follow u.
   unsigned char* const after_u = dynamic_smem + u_smem_bytes(pos.D, sizeof(acc_t));
-  // kRing: this group's stages (stage s at ring + s * stage_packs), the
-  // first S token blocks in flight from here on (before u is copied); `slot`
-  // is the stage of the current token block.
-  Row* ring = nullptr;
-  int64_t stage_packs = 0;
-  int slot = 0;
+  // kRing: this group's stages (stage s at packs ring_first + s *
+  // stage_packs after u; 32-bit offsets: a CTA's stages take <= 64 KiB),
+  // the first S token blocks in flight from here on (before u is copied);
+  // `slot_at` is the first pack of the current token block's stage,
+  // ring_end the end of the group's stages.
+  int stage_packs = 0, ring_end = 0, slot_at = 0;
   if constexpr (kRing) {
-    stage_packs = static_cast<int64_t>(pos.N) * VPT * pos.G;
-    ring = reinterpret_cast<Row*>(after_u) + pos.group * p.ring_stages * stage_packs;
+    stage_packs = pos.N * VPT * pos.G;
+    slot_at = pos.group * p.ring_stages * stage_packs;
+    ring_end = slot_at + p.ring_stages * stage_packs;
     for (int s = 0; s < p.ring_stages; ++s) {
       ring_fill<scalar_t, VEC, VPT>(
           p, pos, static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(s) * gridDim.x,
-          ring + s * stage_packs);
+          reinterpret_cast<Row*>(after_u) + slot_at + s * stage_packs);
     }
   }
   // u, copied once per CTA into the front of the dynamic shared memory
@@ -1316,7 +1317,9 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     for (int e = 0; e < VEC; ++e) z[k][e] = acc_t(0);
   }
 
-  constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
+  // The register prefetch of the next batch (the ring reads its rows from
+  // shared memory instead, as the forward's does).
+  constexpr bool kPrefetch = !kRing && Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
   // Whether rare terms were added to this CTA's z partial row in global
   // memory (CTA-uniform); the registers are then added to it at the end.
   bool z_row_started = false;
@@ -1341,7 +1344,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
 
     if constexpr (kRing) {
       ring_wait(p.ring_stages);
-      stage = ring + slot * stage_packs;
+      stage = reinterpret_cast<Row*>(after_u) + slot_at;
     } else if constexpr (!kSinglePass) {
       // Only 16-byte packs are staged (the host enables staging only then).
       if constexpr (sizeof(Row) == 16) {
@@ -1536,9 +1539,10 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
       // The stage is read (into registers, all used above): refill it with
       // the token S blocks ahead, in flight during the S - 1 token blocks
       // in between.
-      ring_fill<scalar_t, VEC, VPT>(
-          p, pos, tb + static_cast<int64_t>(p.ring_stages) * gridDim.x, ring + slot * stage_packs);
-      slot = slot + 1 == p.ring_stages ? 0 : slot + 1;
+      ring_fill<scalar_t, VEC, VPT>(p, pos, tb + static_cast<int64_t>(p.ring_stages) * gridDim.x,
+                                    stage);
+      slot_at += stage_packs;
+      if (slot_at == ring_end) slot_at = ring_end - p.ring_stages * stage_packs;
     }
 
     // Rare: some row of a token of this CTA is near the dtype's limits

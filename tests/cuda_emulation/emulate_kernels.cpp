@@ -5,7 +5,8 @@
 // exercises what the CPU kernels cannot: the thread/lane -> element map,
 // masking, group reductions, tokens per CTA, the grid-stride token loop,
 // backward staging in shared memory, the forward's cp.async ring (bit for
-// bit against its register pipeline), the source table overflow and the
+// bit against its register pipeline), the backward's (bit for bit against
+// the backward of the same tile and grid without it), the source table overflow and the
 // per-CTA query-gradient partials and their fixed-order sum. Built and run by
 // tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
