@@ -11,7 +11,9 @@
 #      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
-#      fused output norm vs read + rms_norm, briefly (out_norm_stage);
+#      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
+#      shapes that take the rings); then the fused output norm vs read +
+#      rms_norm, briefly (out_norm_stage);
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
@@ -239,6 +241,7 @@ PY
     echo "no time left"
   fi
 
+  ring_ab_stage
   out_norm_stage
 
   local k
@@ -295,6 +298,42 @@ PY
 
   sanitize_stage
   echo "== done in $(elapsed) s"
+}
+
+# The cp.async rings A/B (docs/design.md §7): shapes whose forward and
+# backward plans take the rings on an H200 — bf16 N=9 D=1024 (a priority
+# shape: its ring rows are the priority stage's attnres rows) and fp32 N=16
+# D=512 (2 stages each; measured here with the rings first) — again with
+# ATTNRES_CUDA_RING=0 (read once per process) as impl attnres_ring0 rows of
+# the same CSV. At most RING_AB_S (default 40) seconds.
+RING_AB_S=${RING_AB_S:-40}
+RING_AB_SHAPES="bf16:9:65536:1024,fp32:16:65536:512"
+ring_ab_stage() {
+  local c
+  c=$(cap "$RING_AB_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== rings A/B: ATTNRES_CUDA_RING=0 rows ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -lt 20 ]; then
+    echo "no time left"
+    return 0
+  fi
+  local half=$(( c / 2 ))
+  if [ "$DRY_RUN" = 1 ]; then
+    # The same code path on the CPU (the switch only matters to the CUDA kernels).
+    timeout -k 5 "$half" python3 benchmarks/bench.py --device cpu --quick --shapes bf16:9:64:1024 \
+      --impls attnres --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
+    echo "bench.py rings on rc=$?"
+    ATTNRES_CUDA_RING=0 timeout -k 5 "$half" python3 benchmarks/bench.py --device cpu --quick \
+      --shapes bf16:9:64:1024 --impls attnres_ring0 --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
+    echo "bench.py rings off rc=$?"
+  else
+    timeout -k 5 "$half" python3 benchmarks/bench.py --device cuda --shapes fp32:16:65536:512 \
+      --impls attnres --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
+    echo "bench.py rings on rc=$?"
+    ATTNRES_CUDA_RING=0 timeout -k 5 "$half" python3 benchmarks/bench.py --device cuda \
+      --shapes "$RING_AB_SHAPES" --impls attnres_ring0 --out-dir "$RESULTS" --append \
+      --budget-s $(( half - 10 ))
+    echo "bench.py rings off rc=$?"
+  fi
 }
 
 # The fused output norm (docs/design.md §7, §11), briefly: one bf16 read

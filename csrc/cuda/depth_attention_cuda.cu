@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "attnres/op_sequence.h"
@@ -45,6 +46,14 @@ __global__ void fill_overflow_table(const __grid_constant__ OverflowChunk chunk,
 }
 
 namespace {
+
+// ATTNRES_CUDA_RING (parse_ring_switch, plan.h), read once: whether the
+// forward and backward take their cp.async rings where planned (the
+// default) or never ("0", for A/B measurements).
+bool rings_allowed() {
+  static const bool allowed = parse_ring_switch(std::getenv("ATTNRES_CUDA_RING"));
+  return allowed;
+}
 
 void check_width_supported(const DepthProblem& p) {
   TORCH_CHECK_VALUE(p.D <= kMaxD, "sources have D = ", p.D,
@@ -111,20 +120,23 @@ void forward(const ForwardCall& call) {
         using acc_t = at::opmath_type<scalar_t>;
         const DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
-        // The cp.async ring when a token's rows fit its stages (plan_forward):
-        // a grid of a few waves of the ring kernel's resident CTAs, each
-        // looping over token blocks; else one CTA per token block.
-        const ForwardPlan plan = forward_plan<scalar_t>(
-            src.layout, p.N, p.D, static_cast<int64_t>(props->sharedMemPerBlockOptin));
+        // The cp.async ring when a token's rows fit its stages (plan_forward)
+        // and rings are allowed (ATTNRES_CUDA_RING): a grid of a few waves of
+        // the ring kernel's resident CTAs, each looping over token blocks;
+        // else (or when the ring kernel cannot be resident: occupancy 0) the
+        // register pipeline, one CTA per token block.
+        const int64_t optin = static_cast<int64_t>(props->sharedMemPerBlockOptin);
+        ForwardPlan plan = forward_plan<scalar_t>(src.layout, p.N, p.D, optin, rings_allowed());
         int64_t grid_cap = kMaxGrid;
         if (plan.ring_stages > 0) {
           const int blocks_per_sm = forward_ring_blocks_per_sm<scalar_t>(
               plan.tile, plan.smem_bytes, call.out_norm != nullptr);
-          TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA forward ring kernel cannot run with ",
-                      plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
-                      plan.smem_bytes, " bytes of shared memory on this device");
-          grid_cap = forward_ring_grid_cap(static_cast<int64_t>(blocks_per_sm) *
-                                           props->multiProcessorCount);
+          if (blocks_per_sm > 0) {
+            grid_cap = forward_ring_grid_cap(static_cast<int64_t>(blocks_per_sm) *
+                                             props->multiProcessorCount);
+          } else {
+            plan = forward_plan<scalar_t>(src.layout, p.N, p.D, optin, false);
+          }
         }
         auto launch = forward_launch<scalar_t>(
             plan, src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(),
@@ -169,15 +181,28 @@ void backward(const BackwardCall& call) {
             backward_single_pass<scalar_t>() || norm ? as_rows(call.out) : Rows{};
         const scalar_t* out =
             h.tensor.defined() ? h.tensor.const_data_ptr<scalar_t>() : nullptr;
-        const BackwardPlan plan = backward_plan<scalar_t>(
-            src.layout, grad_out, dh.row_stride, out, h.row_stride, p.T, p.N, p.D,
-            static_cast<int64_t>(props->sharedMemPerBlockOptin), norm != nullptr, want_dw);
+        // The cp.async ring where plan_backward takes it and rings are
+        // allowed (ATTNRES_CUDA_RING); the plan without it when the ring
+        // kernel cannot be resident (occupancy 0).
+        const int64_t optin = static_cast<int64_t>(props->sharedMemPerBlockOptin);
+        auto plan_with = [&](bool allow_ring) {
+          return backward_plan<scalar_t>(src.layout, grad_out, dh.row_stride, out, h.row_stride,
+                                         p.T, p.N, p.D, optin, norm != nullptr, want_dw,
+                                         allow_ring);
+        };
+        BackwardPlan plan = plan_with(rings_allowed());
         // A grid of a few waves of the CTAs the device holds at once
         // (backward_grid_cap): each CTA loops over tokens and keeps its share
         // of z in registers, so the partial rows stay few. It depends only on
-        // the shape, the device and the tile: same bits every run.
-        const int blocks_per_sm =
-            backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes, norm != nullptr);
+        // the shape, the device, the tile and the ring switch: same bits
+        // every run.
+        int blocks_per_sm = backward_blocks_per_sm<scalar_t>(
+            plan.tile, plan.smem_bytes, norm != nullptr, plan.ring_stages > 0);
+        if (plan.ring_stages > 0 && blocks_per_sm == 0) {
+          plan = plan_with(false);
+          blocks_per_sm =
+              backward_blocks_per_sm<scalar_t>(plan.tile, plan.smem_bytes, norm != nullptr, false);
+        }
         TORCH_CHECK(blocks_per_sm > 0, "attnres: the CUDA backward kernel cannot run with ",
                     plan.tile.group * plan.tile.tokens_per_cta, " threads and ",
                     plan.smem_bytes, " bytes of shared memory on this device");

@@ -77,10 +77,13 @@ void fill_common(Params& params, const SourceTableLayout& sources,
 // Forward plan (tile, cp.async ring or register pipeline): with the ring,
 // the caller asks the device how many CTAs of the ring kernel are resident
 // (forward_ring_grid_cap) before building the launch.
+// allow_ring = false: the register pipeline (ATTNRES_CUDA_RING=0, or a ring
+// kernel that cannot be resident).
 template <typename scalar_t>
 ForwardPlan forward_plan(const SourceTableLayout& sources, int64_t N, int64_t D,
-                         int64_t smem_optin_bytes) {
-  return plan_forward(N, D, sources.vector_aligned, natural_vec<scalar_t>(), smem_optin_bytes);
+                         int64_t smem_optin_bytes, bool allow_ring = true) {
+  return plan_forward(N, D, sources.vector_aligned, natural_vec<scalar_t>(), smem_optin_bytes,
+                      allow_ring);
 }
 
 // Forward: out [T, D] contiguous, rstd and weights [N, T]. grid_cap bounds
@@ -117,8 +120,9 @@ void set_forward_norm(ForwardParams<scalar_t>& params, const acc_t* weight, acc_
   params.norm_eps = eps;
 }
 
-// Backward plan (tile, staging, dynamic shared memory): the caller asks the
-// device how many CTAs of it are resident before building the launch.
+// Backward plan (tile, cp.async ring or staging, dynamic shared memory): the
+// caller asks the device how many CTAs of it are resident before building
+// the launch (allow_ring = false: no ring, as for the forward).
 // out (the forward's h) is read by the single-pass backward and by the
 // normed one (normed: dh is formed from dy and h); the plain two-pass one
 // ignores it. norm_grad_weight: the normed op's weight gradient is wanted
@@ -127,7 +131,8 @@ template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* grad_out,
                            int64_t grad_out_stride, const scalar_t* out, int64_t out_stride,
                            int64_t T, int64_t N, int64_t D, int64_t smem_optin_bytes,
-                           bool normed = false, bool norm_grad_weight = false) {
+                           bool normed = false, bool norm_grad_weight = false,
+                           bool allow_ring = true) {
   constexpr int natural = natural_vec<scalar_t>();
   constexpr bool single_pass = backward_single_pass<scalar_t>();
   const bool vector_ok =
@@ -136,7 +141,7 @@ BackwardPlan backward_plan(const SourceTableLayout& sources, const scalar_t* gra
       (!(single_pass || normed) || rows_aligned(out, out_stride, T, natural, sizeof(scalar_t)));
   return plan_backward(choose_backward_tile(D, vector_ok, natural), N, D, natural,
                        sizeof(acc_t), smem_optin_bytes, single_pass,
-                       normed && norm_grad_weight);
+                       normed && norm_grad_weight, allow_ring);
 }
 
 // Backward: the grid is at most grid_cap CTAs (on a GPU a few waves of the
@@ -164,6 +169,7 @@ KernelLaunch<BackwardParams<scalar_t>> backward_launch(
   launch.params.grad_weights = grad_weights;
   launch.params.z_partial = nullptr;
   launch.params.stage = plan.stage;
+  launch.params.ring_stages = plan.ring_stages;
   launch.config.tile = plan.tile;
   launch.config.grid = std::min({launch.params.token_blocks, grid_cap, kMaxGrid});
   launch.config.smem_bytes = plan.smem_bytes;

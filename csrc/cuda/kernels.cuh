@@ -533,7 +533,7 @@ __device__ __forceinline__ void row_dots(const Pack<scalar_t, VEC> (&rows)[SU][V
 // register path would load, zero-filled past D by the reader), without
 // committing them. Each thread later reads back only the bytes it copied
 // itself, so only its own wait_group is needed, no barrier. Used by the
-// backward's staging and the forward's ring.
+// backward's staging and both rings (ring_fill).
 template <typename scalar_t, int VEC, int VPT, int kGroup, typename Params>
 __device__ __forceinline__ void copy_token_rows_async(const Params& p,
                                                       const ThreadPlace<kGroup>& pos, int64_t t,
@@ -546,6 +546,32 @@ __device__ __forceinline__ void copy_token_rows_async(const Params& p,
       const int c = (k * pos.G + pos.lane) * VEC;
       if (c < pos.D) copy_async_16(&stage[(i * VPT + k) * pos.G + pos.lane], row + c);
     }
+  }
+}
+
+// The rings (forward and backward kRing kernels): issues the copies of this
+// group's token of token block tb into `stage` (nothing past the last token
+// block; surplus groups of the last block copy a valid token, like the
+// register path) and commits them as one group, so every thread commits one
+// group per token block and wait_group counts alike in every thread.
+template <typename scalar_t, int VEC, int VPT, int kGroup, typename Params>
+__device__ __forceinline__ void ring_fill(const Params& p, const ThreadPlace<kGroup>& pos,
+                                          int64_t tb, Pack<scalar_t, VEC>* stage) {
+  if (tb < p.token_blocks) {
+    const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
+    const int64_t t = t_wanted < pos.T ? t_wanted : pos.T - 1;
+    copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
+  }
+  copy_async_commit();
+}
+
+// The ring's wait before a token block (kRing kernels): its stage's copies
+// are done; the stages - 1 younger groups may still be in flight.
+__device__ __forceinline__ void ring_wait(int stages) {
+  if (stages == 3) {
+    copy_async_wait<2>();
+  } else {
+    copy_async_wait<1>();
   }
 }
 
@@ -912,23 +938,6 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
   return parity;
 }
 
-// The forward ring (kRing): issues the copies of this group's token of
-// token block tb into `stage` (nothing past the last token block; surplus
-// groups of the last block copy a valid token, like the register path) and
-// commits them as one group, so every thread commits one group per token
-// block and wait_group counts alike in every thread.
-template <typename scalar_t, int VEC, int VPT, int kGroup>
-__device__ __forceinline__ void forward_ring_fill(const ForwardParams<scalar_t>& p,
-                                                  const ThreadPlace<kGroup>& pos, int64_t tb,
-                                                  Pack<scalar_t, VEC>* stage) {
-  if (tb < p.token_blocks) {
-    const int64_t t_wanted = tb * p.tokens_per_cta + pos.group;
-    const int64_t t = t_wanted < pos.T ? t_wanted : pos.T - 1;
-    copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
-  }
-  copy_async_commit();
-}
-
 // ---------------------------------------------------------------------------
 // Forward: one pass over the sources with an online softmax; each source row
 // is read from global memory exactly once. kNorm (the fused output norm):
@@ -970,7 +979,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     stage_packs = static_cast<int64_t>(pos.N) * VPT * pos.G;
     ring = reinterpret_cast<Row*>(dynamic_smem) + pos.group * p.ring_stages * stage_packs;
     for (int s = 0; s < p.ring_stages; ++s) {
-      forward_ring_fill<scalar_t, VEC, VPT>(
+      ring_fill<scalar_t, VEC, VPT>(
           p, pos, static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(s) * gridDim.x,
           ring + s * stage_packs);
     }
@@ -997,11 +1006,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     if constexpr (kRing) {
       // This token block's copies are done (the S - 1 younger ones may be
       // in flight).
-      if (p.ring_stages == 3) {
-        copy_async_wait<2>();
-      } else {
-        copy_async_wait<1>();
-      }
+      ring_wait(p.ring_stages);
       stage = ring + slot * stage_packs;
     }
     Row next[SU][VPT];
@@ -1056,7 +1061,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
       // The stage is read (into registers, all used above): refill it with
       // the token S blocks ahead, in flight during the S - 1 token blocks
       // in between.
-      forward_ring_fill<scalar_t, VEC, VPT>(
+      ring_fill<scalar_t, VEC, VPT>(
           p, pos, tb + static_cast<int64_t>(p.ring_stages) * gridDim.x, ring + slot * stage_packs);
       slot = slot + 1 == p.ring_stages ? 0 : slot + 1;
     }
@@ -1237,7 +1242,18 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 // (shared or global memory, not registers: they live across the sweep);
 // the rest is the plain backward from dh. The accumulators become one
 // partial row per CTA (groups in a fixed order), summed like z's.
-template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup>
+// kRing (plan_backward; 16-byte packs, either backward): the rows come
+// through a ring of p.ring_stages shared-memory stages per group after u, as
+// in the forward: stage s holds the N rows of the group's token in the CTA's
+// (s + S j)-th token block, copied with cp.async one commit group per token
+// block (ring_fill); before a token block the thread waits for its oldest
+// group (ring_wait), both passes (two-pass) or the one sweep (single pass)
+// read the rows there, and after the sweep the stage is refilled with the
+// token S blocks ahead. Each thread reads back only the packs it copied: no
+// barrier. The rare path reads the rows from global memory (the stage is
+// being refilled by then). The same arithmetic in the same order as the
+// kernel without the ring: the same bits.
+template <typename scalar_t, int VEC, int VPT, bool kNorm, int kGroup, bool kRing = false>
 __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     depth_attention_bwd_kernel(const __grid_constant__ BackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -1249,11 +1265,30 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
   constexpr bool kHasRarePath = !std::is_same<Wide, acc_t>::value;
   constexpr bool kSinglePass = backward_single_pass<scalar_t>();
   constexpr int SU = Tile<scalar_t, VEC, VPT>::SU;
+  static_assert(!kRing || sizeof(Row) == 16, "the ring copies 16-byte packs");
   __shared__ __align__(16) acc_t red[2 * kMaxWarps * kMaxReduce];
   ATTNRES_DYNAMIC_SMEM(dynamic_smem);
 
   const ThreadPlace<kGroup> pos(p);
   int parity = 0;
+  // The ring, the staging area or the z sum follow u.
+  unsigned char* const after_u = dynamic_smem + u_smem_bytes(pos.D, sizeof(acc_t));
+  // kRing: this group's stages (stage s at packs ring_first + s *
+  // stage_packs after u; 32-bit offsets: a CTA's stages take <= 64 KiB),
+  // the first S token blocks in flight from here on (before u is copied);
+  // `slot_at` is the first pack of the current token block's stage,
+  // ring_end the end of the group's stages.
+  int stage_packs = 0, ring_end = 0, slot_at = 0;
+  if constexpr (kRing) {
+    stage_packs = pos.N * VPT * pos.G;
+    slot_at = pos.group * p.ring_stages * stage_packs;
+    ring_end = slot_at + p.ring_stages * stage_packs;
+    for (int s = 0; s < p.ring_stages; ++s) {
+      ring_fill<scalar_t, VEC, VPT>(
+          p, pos, static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(s) * gridDim.x,
+          reinterpret_cast<Row*>(after_u) + slot_at + s * stage_packs);
+    }
+  }
   // u, copied once per CTA into the front of the dynamic shared memory
   // (float accumulation, u_in_shared): it is read for every row of every
   // token (twice per row in the single pass: <u, v_i> and dv_i). fp64 reads
@@ -1268,13 +1303,11 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     __syncthreads();
     u_s = copy;
   }
-  // The staging area or the z sum follow u.
-  unsigned char* const after_u = dynamic_smem + u_smem_bytes(pos.D, sizeof(acc_t));
   // Two-pass only: this group's staging area, entry (i, k) of this lane at
-  // [(i*VPT+k)*pos.G+lane].
+  // [(i*VPT+k)*pos.G+lane]; kRing: the current token block's stage.
   Row* stage = reinterpret_cast<Row*>(after_u) +
                static_cast<int64_t>(pos.group) * pos.N * VPT * pos.G;
-  const bool staged = !kSinglePass && p.stage;
+  const bool staged = kRing || (!kSinglePass && p.stage);
 
   // kNorm with the weight gradient wanted: this thread's accumulators of
   // sum(dy n) (norm_dw_slots), zeroed here.
@@ -1293,7 +1326,9 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     for (int e = 0; e < VEC; ++e) z[k][e] = acc_t(0);
   }
 
-  constexpr bool kPrefetch = Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
+  // The register prefetch of the next batch (the ring reads its rows from
+  // shared memory instead, as the forward's does).
+  constexpr bool kPrefetch = !kRing && Tile<scalar_t, VEC, VPT>::kPrefetchBackward;
   // Whether rare terms were added to this CTA's z partial row in global
   // memory (CTA-uniform); the registers are then added to it at the end.
   bool z_row_started = false;
@@ -1316,7 +1351,10 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     const bool active = t_wanted < pos.T;
     const int64_t t = active ? t_wanted : pos.T - 1;
 
-    if constexpr (!kSinglePass) {
+    if constexpr (kRing) {
+      ring_wait(p.ring_stages);
+      stage = reinterpret_cast<Row*>(after_u) + slot_at;
+    } else if constexpr (!kSinglePass) {
       // Only 16-byte packs are staged (the host enables staging only then).
       if constexpr (sizeof(Row) == 16) {
         if (staged) copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
@@ -1413,7 +1451,9 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
         }
       }
     } else {
-      if (staged) copy_async_commit_and_wait();
+      if constexpr (!kRing) {
+        if (staged) copy_async_commit_and_wait();
+      }
       // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
       // current one is used when registers allow (kPrefetch).
       if constexpr (kPrefetch) backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, 0, t, next);
@@ -1502,6 +1542,16 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
           }
         }
       }
+    }
+
+    if constexpr (kRing) {
+      // The stage is read (into registers, all used above): refill it with
+      // the token S blocks ahead, in flight during the S - 1 token blocks
+      // in between.
+      ring_fill<scalar_t, VEC, VPT>(p, pos, tb + static_cast<int64_t>(p.ring_stages) * gridDim.x,
+                                    stage);
+      slot_at += stage_packs;
+      if (slot_at == ring_end) slot_at = ring_end - p.ring_stages * stage_packs;
     }
 
     // Rare: some row of a token of this CTA is near the dtype's limits

@@ -105,6 +105,10 @@ struct BackwardParams {
   // memory.
   acc_t* norm_dw_slots;
   int64_t norm_slots_offset;
+  // The cp.async ring (plan_backward; the kRing kernel only): each group
+  // keeps the N rows of its next ring_stages tokens in shared memory after
+  // u (stage stays false); 0 without it.
+  int ring_stages;
 };
 
 // The backward's dynamic shared memory starts with a copy of u ([D] in
@@ -188,6 +192,13 @@ constexpr int group_class(int vec, int G) {
 // the rows: it prefers at most 16 elements per thread (choose_backward_tile,
 // plan.h); the forward takes up to kMaxElemsPerThread.
 constexpr int kBackwardPreferredElems = 16;
+
+// The tiles that have a backward ring kernel (kRing): the forward's ring
+// tiles within the backward's preferred elements per thread (wider tiles
+// come only above D = 8192, where a token's rows exceed a stage for N > 1).
+constexpr bool backward_ring_tile_compiled(int vec, int vpt, int natural) {
+  return ring_tile_compiled(vec, vpt, natural) && vec * vpt <= kBackwardPreferredElems;
+}
 
 // Whether the kernel whose tiles prefer at most preferred_elems elements per
 // thread (the forward: kMaxElemsPerThread; the backward:
@@ -281,9 +292,10 @@ template <typename acc_t>
 void launch_sum_partial_rows(const acc_t* partial, int64_t rows, int D, acc_t* z,
                              cudaStream_t stream);
 
-// Resident CTAs per SM of the backward kernel for a tile (sizes its grid).
+// Resident CTAs per SM of the backward kernel for a tile (sizes its grid):
+// the ring kernel (ring) or the other one.
 template <typename scalar_t>
-int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed);
+int backward_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed, bool ring);
 
 // Resident CTAs per SM of the forward's ring kernel for a tile (sizes its
 // grid; the register pipeline's grid is one CTA per token block).

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "launch.h"
 
@@ -134,24 +135,48 @@ struct ForwardPlan {
   size_t smem_bytes = 0;
 };
 
+// The ring's shape for a tile (both kernels): a stage holds one token's N
+// rows of one group (N * vpt * G 16-byte packs) and takes at most
+// kRingStageBytes; 3 stages when it takes at most kRingSmallStageBytes,
+// else 2; the CTA's stages take at most min(kRingBytesPerCta, budget) bytes,
+// with tokens per CTA lowered (from the tile's) to fit; sub-warp groups
+// must fill whole warps (the rare paths vote per warp). stages = 0: no ring.
+struct RingShape {
+  int stages = 0;
+  int tokens_per_cta = 0;
+  int64_t bytes = 0;
+};
+
+inline RingShape ring_shape(const TileConfig& tile, int64_t N, int64_t budget) {
+  RingShape ring;
+  const int64_t per_token = N * tile.vpt * tile.group * 16;
+  const int stages = per_token <= kRingSmallStageBytes ? 3 : 2;
+  const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
+  budget = std::min<int64_t>(kRingBytesPerCta, budget);
+  int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, std::max<int64_t>(0, budget) /
+                                                              (stages * per_token));
+  tokens -= tokens % min_tokens;
+  if (per_token <= kRingStageBytes && tokens >= min_tokens) {
+    ring.stages = stages;
+    ring.tokens_per_cta = static_cast<int>(tokens);
+    ring.bytes = per_token * stages * tokens;
+  }
+  return ring;
+}
+
+// allow_ring = false (ATTNRES_CUDA_RING=0): never the ring.
 inline ForwardPlan plan_forward(int64_t N, int64_t D, bool vector_ok, int natural,
-                                int64_t smem_optin_bytes) {
+                                int64_t smem_optin_bytes, bool allow_ring = true) {
   ForwardPlan plan;
   TileConfig tile = choose_tile(D, vector_ok, natural);
-  // The ring copies 16-byte packs; sub-warp groups must fill whole warps
-  // (the rare path votes per warp); the static reduction buffer takes the
+  // The ring copies 16-byte packs; the static reduction buffer takes the
   // 4096 bytes kept back.
-  if (ring_tile_compiled(tile.vec, tile.vpt, natural)) {
-    const int64_t per_token = N * tile.vpt * tile.group * 16;
-    const int stages = per_token <= kRingSmallStageBytes ? 3 : 2;
-    const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-    const int64_t budget = std::min<int64_t>(kRingBytesPerCta, smem_optin_bytes - 4096);
-    int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / (stages * per_token));
-    tokens -= tokens % min_tokens;
-    if (per_token <= kRingStageBytes && tokens >= min_tokens) {
-      plan.ring_stages = stages;
-      tile.tokens_per_cta = static_cast<int>(tokens);
-      plan.smem_bytes = static_cast<size_t>(per_token * stages * tokens);
+  if (allow_ring && ring_tile_compiled(tile.vec, tile.vpt, natural)) {
+    const RingShape ring = ring_shape(tile, N, smem_optin_bytes - 4096);
+    if (ring.stages > 0) {
+      plan.ring_stages = ring.stages;
+      tile.tokens_per_cta = ring.tokens_per_cta;
+      plan.smem_bytes = static_cast<size_t>(ring.bytes);
     }
   }
   plan.tile = tile;
@@ -171,6 +196,9 @@ inline int64_t forward_ring_grid_cap(int64_t resident_ctas) {
 struct BackwardPlan {
   TileConfig tile;
   bool stage = false;
+  // The cp.async ring (the kRing kernel): ring_stages stages per group after
+  // u (ring_shape, the forward's rule); 0: none (then stage may be set).
+  int ring_stages = 0;
   size_t smem_bytes = 0;
   // The fused output norm's weight-gradient accumulators (one per element a
   // thread owns: CTA threads * VPT * VEC), when wanted: at
@@ -183,7 +211,7 @@ struct BackwardPlan {
 inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
                                   int natural, size_t acc_size,
                                   int64_t smem_optin_bytes, bool single_pass,
-                                  bool norm_slots = false) {
+                                  bool norm_slots = false, bool allow_ring = true) {
   BackwardPlan plan;
   // The output norm's accumulators go to shared memory when they fit with u
   // and the z sum (then staging gets what is left); else to global memory
@@ -199,15 +227,27 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   const bool slots_in_smem =
       norm_slots && u_bytes + (z_sum_bytes + 15) / 16 * 16 + slot_bytes(tile.tokens_per_cta) +
                             4096 <= smem_optin_bytes;
-  // Staging copies 16-byte packs with cp.async; sub-warp groups must fill
-  // whole warps. The single-pass backward reads each row once: nothing to
-  // stage.
-  if (tile.vec == natural && !single_pass) {
+  const int64_t smem_left = smem_optin_bytes - 4096 - u_bytes -
+                            (slots_in_smem ? slot_bytes(tile.tokens_per_cta) : 0);
+  // The cp.async ring (both backwards: the single-pass one's rows arrive
+  // ahead of their one read, the two-pass one's are read twice from it)
+  // where the tile has a ring kernel and the stages fit (ring_shape).
+  if (allow_ring && backward_ring_tile_compiled(tile.vec, tile.vpt, natural)) {
+    const RingShape ring = ring_shape(tile, N, smem_left);
+    if (ring.stages > 0) {
+      plan.ring_stages = ring.stages;
+      tile.tokens_per_cta = ring.tokens_per_cta;
+      plan.smem_bytes = static_cast<size_t>(ring.bytes);
+    }
+  }
+  // Else staging (two-pass: a token's rows copied with cp.async and waited
+  // for at once, read by both passes); it copies 16-byte packs; sub-warp
+  // groups must fill whole warps. The single-pass backward reads each row
+  // once: nothing to stage.
+  if (plan.ring_stages == 0 && tile.vec == natural && !single_pass) {
     const int64_t per_token = N * tile.vpt * tile.group * 16;
     const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-    const int64_t budget = std::min<int64_t>(
-        kStageBytesPerCta, smem_optin_bytes - 4096 - u_bytes -
-                               (slots_in_smem ? slot_bytes(tile.tokens_per_cta) : 0));
+    const int64_t budget = std::min<int64_t>(kStageBytesPerCta, smem_left);
     int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
     tokens -= tokens % min_tokens;
     if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
@@ -240,6 +280,17 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
               smem_optin_bytes, " bytes; the CUDA kernels are designed for sm_80 or newer");
   plan.tile = tile;
   return plan;
+}
+
+// The run-time switch ATTNRES_CUDA_RING (value: the variable's text, or
+// null when unset): unset or "1" = the forward and backward rings where
+// their plans take them (the default), "0" = never (for A/B measurements).
+// Any other value is refused.
+inline bool parse_ring_switch(const char* value) {
+  if (value == nullptr || std::string(value) == "1") return true;
+  TORCH_CHECK(std::string(value) == "0", "attnres: ATTNRES_CUDA_RING must be unset, \"1\" (the ",
+              "cp.async rings where planned) or \"0\" (never), not \"", value, "\"");
+  return false;
 }
 
 }  // namespace cuda

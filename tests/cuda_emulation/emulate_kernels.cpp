@@ -5,7 +5,8 @@
 // exercises what the CPU kernels cannot: the thread/lane -> element map,
 // masking, group reductions, tokens per CTA, the grid-stride token loop,
 // backward staging in shared memory, the forward's cp.async ring (bit for
-// bit against its register pipeline), the source table overflow and the
+// bit against its register pipeline), the backward's (bit for bit against
+// the backward of the same tile and grid without it), the source table overflow and the
 // per-CTA query-gradient partials and their fixed-order sum. Built and run by
 // tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
@@ -128,8 +129,12 @@ struct Case {
 };
 
 // Cases whose forward took the cp.async ring (each also compared bit for
-// bit with the register pipeline).
+// bit with the register pipeline), and whose backward took its ring (each
+// also compared bit for bit with the backward without it: the same tile
+// and grid, staged for the two-pass backward, from global memory for the
+// single-pass one).
 int ring_cases = 0;
+int backward_ring_cases = 0;
 
 // Whether two result buffers hold the same bytes (empty ones do: memcmp
 // must not see their null data).
@@ -360,8 +365,33 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
       constexpr int kGroup = decltype(group)::value;
       if (!c.run_backward) return;
+      const bool ring = bwd.params.ring_stages > 0;
+      if constexpr (!backward_ring_tile_compiled(VEC, VPT, natural_vec<scalar_t>())) {
+        if (ring) throw std::runtime_error("plan_backward chose a ring for a tile without one");
+      }
       emu::launch(static_cast<unsigned>(bgrid), btile.group * btile.tokens_per_cta,
                   bwd.config.smem_bytes, [&] {
+                    if constexpr (backward_ring_tile_compiled(VEC, VPT,
+                                                              natural_vec<scalar_t>())) {
+                      if (ring) {
+                        auto run_ring = [&](auto cls) {
+                          constexpr int kCls = decltype(cls)::value;
+                          if (c.norm) {
+                            depth_attention_bwd_kernel<scalar_t, VEC, VPT, true, kCls, true>(
+                                bwd.params);
+                          } else {
+                            depth_attention_bwd_kernel<scalar_t, VEC, VPT, false, kCls, true>(
+                                bwd.params);
+                          }
+                        };
+                        if (as_any) {
+                          run_ring(std::integral_constant<int, kAnyGroup>{});
+                        } else {
+                          run_ring(std::integral_constant<int, kGroup>{});
+                        }
+                        return;
+                      }
+                    }
                     if (as_any) {
                       if (c.norm) {
                         depth_attention_bwd_kernel<scalar_t, VEC, VPT, true, kAnyGroup>(bwd.params);
@@ -378,6 +408,31 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     });
   };
   run_backward();
+  // The ring must give the bits of the backward without it (same tile and
+  // grid: the same partial rows; two-pass: staged): run that into the same
+  // buffers, refilled with NaN, compare, and put the ring's results back.
+  bool bwd_ring_same_bits = true;
+  if (plan.ring_stages > 0 && c.run_backward) {
+    ++backward_ring_cases;
+    auto refill = [](auto& xs) {
+      using T = typename std::decay_t<decltype(xs)>::value_type;
+      std::fill(xs.begin(), xs.end(), static_cast<T>(NAN));
+    };
+    const auto grads_ring = grads;
+    const auto partial_ring = partial, dw_partial_ring = dw_partial;
+    for (auto& g : grads) refill(g);
+    refill(partial), refill(dw_partial), refill(dw_slots);
+    const BackwardParams<scalar_t> ring_params = bwd.params;
+    bwd.params.ring_stages = 0;
+    bwd.params.stage = !backward_single_pass<scalar_t>();
+    run_backward();
+    bwd_ring_same_bits = same_bits(partial, partial_ring) && same_bits(dw_partial, dw_partial_ring);
+    for (int i = 0; i < N; ++i) bwd_ring_same_bits = bwd_ring_same_bits && same_bits(grads[i], grads_ring[i]);
+    bwd.params = ring_params;
+    for (int i = 0; i < N; ++i) std::copy(grads_ring[i].begin(), grads_ring[i].end(), grads[i].begin());
+    std::copy(partial_ring.begin(), partial_ring.end(), partial.begin());
+    std::copy(dw_partial_ring.begin(), dw_partial_ring.end(), dw_partial.begin());
+  }
   const int bclass = group_class(btile.vec, btile.group);
   auto sum_rows = [&](std::vector<acc_t>& rows) {
     std::vector<acc_t> sum(D, static_cast<acc_t>(NAN));
@@ -514,6 +569,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (fplan.ring_stages > 0) {
     checks.push_back({"ring_vs_registers_bits", ring_same_bits ? 0.0 : 1.0, 0.0});
   }
+  if (plan.ring_stages > 0 && c.run_backward) {
+    checks.push_back({"bwd_ring_vs_plain_bits", bwd_ring_same_bits ? 0.0 : 1.0, 0.0});
+  }
   if (c.norm) {
     checks.push_back({"h", rel_err(as_double(h_kept), ref_h), tol.output});
     // r from the kernel's own h (rounded to the dtype): against the
@@ -589,6 +647,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     if (fplan.ring_stages > 0) {
       checks.push_back({"ring_vs_registers_bits", ring_same_bits ? 0.0 : 1.0, 0.0});
     }
+    if (plan.ring_stages > 0 && c.run_backward) {
+      checks.push_back({"bwd_ring_vs_plain_bits", bwd_ring_same_bits ? 0.0 : 1.0, 0.0});
+    }
     if (c.norm && want_dw) checks.push_back({"dw_nan", all_nan(dw) ? 0.0 : 1.0, 0.0});
   }
   bool ok = true;
@@ -625,14 +686,14 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     range += " (backward unchecked)";
   }
   std::printf("%s %-8s N=%d T=%ld D=%d stride=%ld%s%s%s fwd[vec=%d vpt=%d G=%d/%s tpc=%d grid=%u "
-              "ring=%d] bwd[%s vec=%d vpt=%d G=%d/%s tpc=%d grid=%ld stage=%d]%s%s%s\n",
+              "ring=%d] bwd[%s vec=%d vpt=%d G=%d/%s tpc=%d grid=%ld stage=%d ring=%d]%s%s%s\n",
               ok ? "ok  " : "FAIL", dtype_name<scalar_t>(), N, long(T), D, long(stride),
               c.misaligned ? " misaligned" : "", c.misaligned_h ? " misaligned_h" : "",
               range.c_str(), ftile.vec, ftile.vpt, ftile.group, group_class_name(fclass),
               ftile.tokens_per_cta, fgrid, fplan.ring_stages,
               backward_single_pass<scalar_t>() ? "1-pass" : "2-pass", btile.vec, btile.vpt,
               btile.group, group_class_name(bclass), btile.tokens_per_cta, long(bgrid),
-              int(plan.stage),
+              int(plan.stage), plan.ring_stages,
               c.weight_grads ? " +weight_grads" : "", c.partial ? " +partial" : "", detail.c_str());
   std::fflush(stdout);
   return ok;
@@ -856,6 +917,107 @@ int main(int argc, char** argv) {
     const bool ok = forward_ring_grid_cap(264) == 4 * 264 && forward_ring_grid_cap(0) == 4;
     failures += ok ? 0 : 1;
     std::printf("%s forward_ring_grid_cap: 4 waves, at least one CTA's worth\n", ok ? "ok  " : "FAIL");
+    // allow_ring = false (ATTNRES_CUDA_RING=0): the register pipeline.
+    const ForwardPlan off = plan_forward(9, 1024, true, 8, kH200, false);
+    const bool off_ok = off.ring_stages == 0 && off.smem_bytes == 0 && off.tile.tokens_per_cta == 8;
+    failures += off_ok ? 0 : 1;
+    std::printf("%s plan_forward bf16 N=9 D=1024 without rings -> stages=%d tpc=%d smem=%zu\n",
+                off_ok ? "ok  " : "FAIL", off.ring_stages, off.tile.tokens_per_cta, off.smem_bytes);
+  }
+  // The backward's plan (plan_backward): the ring by the forward's rule
+  // (ring_shape) in the shared memory left after u and the norm's
+  // accumulators, on 16-byte tiles with a backward ring kernel, either
+  // backward; else staging (two-pass, a token's rows <= 32 KiB, the CTA's
+  // <= 64 KiB) or neither. Tiles from choose_backward_tile.
+  {
+    struct PlanCase {
+      const char* what;
+      int64_t N, D;
+      bool vector_ok;
+      int natural;
+      int64_t optin;
+      bool norm_slots, allow_ring;
+      int want_stages;
+      bool want_stage;
+      int want_vpt, want_group, want_tpc;
+      size_t want_smem;
+    };
+    constexpr int64_t kH200 = 227 * 1024;
+    const PlanCase plan_cases[] = {
+        // bf16 D = 1024: <8, 1>, G = 128 (2 tokens a CTA without a ring), u 4 KiB.
+        {"bf16 N=8 D=1024: 16 KiB, 3 stages", 8, 1024, true, 8, kH200, false, true, 3, false, 1,
+         128, 1, 49152 + 4096},
+        {"bf16 N=9 D=1024 (priority shape): 2 stages", 9, 1024, true, 8, kH200, false, true, 2,
+         false, 1, 128, 1, 36864 + 4096},
+        {"bf16 N=16 D=1024: 32 KiB, 2 stages", 16, 1024, true, 8, kH200, false, true, 2, false,
+         1, 128, 1, 65536 + 4096},
+        {"bf16 N=17 D=1024: 34 KiB, neither", 17, 1024, true, 8, kH200, false, true, 0, false, 1,
+         128, 2, 4096 + 4096},
+        {"bf16 N=9 D=1024 without rings: staged", 9, 1024, true, 8, kH200, false, false, 0, true,
+         1, 128, 2, 36864 + 4096},
+        {"bf16 N=9 D=1024, 40 KiB opt-in: staged", 9, 1024, true, 8, 40 * 1024, false, true, 0,
+         true, 1, 128, 1, 18432 + 4096},
+        {"bf16 N=9 D=1024 +norm slots", 9, 1024, true, 8, kH200, true, true, 2, false, 1, 128, 1,
+         36864 + 4096 + 4096},
+        {"bf16 N=2 D=4096: <8, 2> G=256, 3 stages", 2, 4096, true, 8, kH200, false, true, 3,
+         false, 2, 256, 1, 49152 + 16384},
+        {"bf16 N=9 D=4096: 72 KiB, neither", 9, 4096, true, 8, kH200, false, true, 0, false, 2,
+         256, 1, 16384},
+        {"bf16 N=3 D=64: sub-warp, 32 tokens", 3, 64, true, 8, kH200, false, true, 3, false, 1,
+         8, 32, 36864 + 256},
+        {"bf16 N=70 D=64: not a whole warp, staged", 70, 64, true, 8, kH200, false, true, 0, true,
+         1, 8, 4, 35840 + 256},
+        {"bf16 N=3 D=64 misaligned: scalar", 3, 64, false, 8, kH200, false, true, 0, false, 4, 16,
+         16, 256 + 256},
+        // fp32 single pass: D = 512 <4, 4> G = 32 (8 tokens), u 2 KiB.
+        {"fp32 N=5 D=512: 3 stages, 2 tokens", 5, 512, true, 4, kH200, false, true, 3, false, 4,
+         32, 2, 61440 + 2048},
+        {"fp32 N=8 D=512: 16 KiB, 3 stages", 8, 512, true, 4, kH200, false, true, 3, false, 4,
+         32, 1, 49152 + 2048},
+        {"fp32 N=16 D=512: 32 KiB, 2 stages", 16, 512, true, 4, kH200, false, true, 2, false, 4,
+         32, 1, 65536 + 2048},
+        {"fp32 N=17 D=512: 34 KiB, none", 17, 512, true, 4, kH200, false, true, 0, false, 4, 32,
+         8, 2048 + 2048},
+        {"fp32 N=16 D=1024 (priority shape): 64 KiB, none", 16, 1024, true, 4, kH200, false,
+         true, 0, false, 1, 256, 1, 4096},
+        {"fp64 N=3 D=64: u global, 8 tokens", 3, 64, true, 2, kH200, false, true, 3, false, 1,
+         32, 8, 36864},
+        {"fp64 N=1 D=512: <2, 8> has no ring", 1, 512, true, 2, kH200, false, true, 0, false, 8,
+         32, 8, 4096},
+    };
+    for (const auto& pc : plan_cases) {
+      const size_t acc_size = pc.natural == 2 ? 8 : 4;
+      const bool single_pass = pc.natural <= 4;
+      const BackwardPlan bp =
+          plan_backward(choose_backward_tile(pc.D, pc.vector_ok, pc.natural), pc.N, pc.D,
+                        pc.natural, acc_size, pc.optin, single_pass, pc.norm_slots, pc.allow_ring);
+      const bool ok = bp.ring_stages == pc.want_stages && bp.stage == pc.want_stage &&
+                      bp.tile.vpt == pc.want_vpt && bp.tile.group == pc.want_group &&
+                      bp.tile.tokens_per_cta == pc.want_tpc && bp.smem_bytes == pc.want_smem &&
+                      (!pc.norm_slots || bp.norm_slots_offset >= 0);
+      failures += ok ? 0 : 1;
+      std::printf("%s plan_backward %s -> stages=%d stage=%d vpt=%d G=%d tpc=%d smem=%zu (want "
+                  "%d %d %d %d %d %zu)\n",
+                  ok ? "ok  " : "FAIL", pc.what, bp.ring_stages, int(bp.stage), bp.tile.vpt,
+                  bp.tile.group, bp.tile.tokens_per_cta, bp.smem_bytes, pc.want_stages,
+                  int(pc.want_stage), pc.want_vpt, pc.want_group, pc.want_tpc, pc.want_smem);
+    }
+  }
+  // ATTNRES_CUDA_RING: unset or "1" = rings, "0" = none, anything else refused.
+  {
+    bool ok = parse_ring_switch(nullptr) && parse_ring_switch("1") && !parse_ring_switch("0");
+    for (const char* bad : {"", "2", "yes", "01"}) {
+      bool refused = false;
+      try {
+        parse_ring_switch(bad);
+      } catch (const c10::Error& e) {
+        refused = std::string(e.what()).find("ATTNRES_CUDA_RING") != std::string::npos;
+      }
+      ok = ok && refused;
+    }
+    failures += ok ? 0 : 1;
+    std::printf("%s ATTNRES_CUDA_RING: unset/1 -> rings, 0 -> none, other values refused\n",
+                ok ? "ok  " : "FAIL");
   }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
@@ -1085,16 +1247,26 @@ int main(int argc, char** argv) {
     }
     run(tag, all);
   };
-  ring_refills(c10::BFloat16{}, {{3, 200, 64, 0, false, 1},     // G = 8, 7 blocks
-                                 {2, 8, 4096, 0, false, 1},     // G = 256 warps, 8 blocks
-                                 {2, 9, 2048, 0, false, 1}});   // warps at vpt = 1
-  ring_refills(c10::Half{}, {{3, 200, 64, 0, false, 1}, {2, 8, 4096, 0, false, 1}});
-  ring_refills(float{}, {{3, 100, 32, 0, false, 1},     // G = 8, 4 blocks
-                         {3, 200, 64, 0, false, 1},     // G = 16, 13 blocks
-                         {2, 8, 2048, 0, false, 1},     // warps
-                         {2, 9, 1024, 0, false, 1}});   // a warp, 5 blocks
-  ring_refills(double{}, {{3, 200, 64, 0, false, 1}, {2, 8, 1024, 0, false, 1}});
+  // The backward's ring takes the same cases (its tiles, classes and token
+  // blocks in the comments after the forward's), plus its class 32 (D = 512)
+  // and, bf16, whole warps with 2 tokens a CTA.
+  ring_refills(c10::BFloat16{}, {{3, 200, 64, 0, false, 1},     // G = 8, 7 blocks; bwd same
+                                 {2, 8, 4096, 0, false, 1},     // G = 256 warps, 8 blocks; bwd same
+                                 {2, 9, 2048, 0, false, 1},     // warps at vpt = 1; bwd same
+                                 {3, 40, 512, 0, false, 1},     // bwd <8, 2> G = 32, 6 blocks
+                                 {2, 20, 1024, 0, false, 1}});  // bwd G = 128, 2 tokens, 10 blocks
+  ring_refills(c10::Half{}, {{3, 200, 64, 0, false, 1}, {2, 8, 4096, 0, false, 1},
+                             {3, 40, 512, 0, false, 1}});       // bwd G = 32, 6 blocks
+  ring_refills(float{}, {{3, 100, 32, 0, false, 1},     // G = 8, 4 blocks; bwd same
+                         {3, 200, 64, 0, false, 1},     // G = 16, 13 blocks; bwd same
+                         {2, 8, 2048, 0, false, 1},     // warps; bwd <4, 2> G = 256, 8 blocks
+                         {2, 9, 1024, 0, false, 1},     // a warp, 5 blocks; bwd G = 256, 9 blocks
+                         {3, 40, 512, 0, false, 1}});   // bwd <4, 4> G = 32, 3 tokens, 14 blocks
+  ring_refills(double{}, {{3, 200, 64, 0, false, 1},    // bwd G = 32, 8 tokens, 25 blocks
+                          {2, 8, 1024, 0, false, 1},    // bwd <2, 2> G = 256, 8 blocks
+                          {3, 300, 8, 0, false, 1}});   // bwd G = 4, 64 tokens, 5 blocks
   std::printf("%d case(s) took the forward ring\n", ring_cases);
+  std::printf("%d case(s) took the backward ring\n", backward_ring_cases);
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }

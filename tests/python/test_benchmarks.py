@@ -313,6 +313,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert proc.returncode == 0, f"stdout:\n{log[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
     for expected in ("DRY RUN on the CPU", "attnres CPU kernels registered: True",
                      "smoke check: 0 failure(s)", "smoke rc=0", "bench.py priority rc=0",
+                     "bench.py rings on rc=0", "bench.py rings off rc=0",
                      "out_norm stage rc=0", "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
                      "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
         assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
@@ -320,6 +321,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert (out / "gpu_check.log").read_text() == log
     bench_rows = list(csv.DictReader(open(next(out.glob("cpu_quick_*.csv")), newline="")))
     assert any(r["impl"] == "attnres" and float(r["ms"]) > 0 for r in bench_rows)
+    # The rings' A/B rows (ATTNRES_CUDA_RING=0 in a process of its own).
+    assert any(r["impl"] == "attnres_ring0" and float(r["ms"]) > 0 for r in bench_rows)
     model_rows = list(csv.DictReader(open(next(out.glob("cpu_model_tiny_*.csv")), newline="")))
     assert {r["impl"] for r in model_rows} >= {"attnres", "eager"}
     assert "| bf16 N, T, D | pass |" in (results / "gpu_out_norm.md").read_text()

@@ -59,6 +59,10 @@ def test_cuda_kernels_emulated_on_cpu(emulator, dtype):
     # for bit) in this dtype's cases.
     ring = [line for line in result.stdout.splitlines() if line.endswith("took the forward ring")]
     assert ring and int(ring[0].split()[0]) >= 10, result.stdout[-2000:]
+    # The backward's ring ran too (and matched the backward without it, same
+    # tile and grid, bit for bit).
+    ring = [line for line in result.stdout.splitlines() if line.endswith("took the backward ring")]
+    assert ring and int(ring[0].split()[0]) >= 10, result.stdout[-2000:]
     # The group classes' D sweep ran for both kernels, and every class case
     # was compared bit for bit with its kAnyGroup instantiation.
     for kernel in ("forward", "backward"):
