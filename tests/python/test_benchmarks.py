@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench.py"
 BENCH_MODEL = ROOT / "benchmarks" / "bench_model.py"
 PEERS = ROOT / "benchmarks" / "peers.py"
+SPREAD = ROOT / "benchmarks" / "spread.py"
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.sh"
 
 
@@ -295,6 +296,29 @@ def test_out_norm_benchmark_quick(tmp_path):
     assert sum(1 for r in rows if r.split("|")[3].strip() in ("infer", "train")) == 8
     assert "block, fused norm" in proc.stdout and "training step" in proc.stdout
     assert list(tmp_path.glob("quick_out_norm_*.md"))
+
+
+def test_spread_across_processes_quick(tmp_path):
+    """spread.py runs bench.py in separate processes and tabulates every
+    process's row and the min / median / max (issue 8: the benchmark shows the
+    spread across processes, not one run)."""
+    out = run_bench(["--quick", "--processes", "2", "--shapes", "fp32:2:64:128"], tmp_path,
+                    script=SPREAD)
+    assert out.stdout.count("process ") >= 2, out.stdout
+    md = next(tmp_path.glob("spread_quick_*.md")).read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| float32 | 2 | 64 | 128 |")]
+    assert [r.split(" | ")[4] for r in rows] == ["fwd", "bwd", "fwd+bwd"], md
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        per_process = cells[5].split("), ")
+        assert len(per_process) == 2, r
+        lo, mid, hi = (float(v) for v in cells[6].split(" / "))
+        assert 0 < lo <= mid <= hi, r
+
+
+def test_spread_needs_several_processes(tmp_path):
+    with pytest.raises(AssertionError, match="at least 2"):
+        run_bench(["--quick", "--processes", "1"], tmp_path, script=SPREAD)
 
 
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
