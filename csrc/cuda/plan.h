@@ -135,33 +135,43 @@ struct ForwardPlan {
   size_t smem_bytes = 0;
 };
 
-// The ring's shape for a tile (both kernels): a stage holds one token's N
-// rows of one group (N * vpt * G 16-byte packs) and takes at most
-// kRingStageBytes; 3 stages when it takes at most kRingSmallStageBytes,
-// else 2; the CTA's stages take at most min(kRingBytesPerCta, budget) bytes,
-// with tokens per CTA lowered (from the tile's) to fit; sub-warp groups
-// must fill whole warps (the rare paths vote per warp). stages = 0: no ring.
+// Shared memory that holds `stages` copies of a token's N rows of one group
+// (N * vpt * G 16-byte packs each) for as many of the tile's tokens as fit:
+// a copy takes at most stage_cap bytes; the CTA's copies take at most
+// min(cta_cap, budget) bytes, with tokens per CTA lowered (from the tile's)
+// to fit; sub-warp groups must fill whole warps (the rare paths vote per
+// warp). stages = 0: none fits. The backward's staging is one copy of this
+// shape, the cp.async rings two or three (ring_shape).
 struct RingShape {
   int stages = 0;
   int tokens_per_cta = 0;
   int64_t bytes = 0;
 };
 
-inline RingShape ring_shape(const TileConfig& tile, int64_t N, int64_t budget) {
-  RingShape ring;
+inline RingShape staged_rows_shape(const TileConfig& tile, int64_t N, int stages,
+                                   int64_t stage_cap, int64_t cta_cap, int64_t budget) {
+  RingShape shape;
   const int64_t per_token = N * tile.vpt * tile.group * 16;
-  const int stages = per_token <= kRingSmallStageBytes ? 3 : 2;
   const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-  budget = std::min<int64_t>(kRingBytesPerCta, budget);
+  budget = std::min<int64_t>(cta_cap, budget);
   int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, std::max<int64_t>(0, budget) /
                                                               (stages * per_token));
   tokens -= tokens % min_tokens;
-  if (per_token <= kRingStageBytes && tokens >= min_tokens) {
-    ring.stages = stages;
-    ring.tokens_per_cta = static_cast<int>(tokens);
-    ring.bytes = per_token * stages * tokens;
+  if (per_token <= stage_cap && tokens >= min_tokens) {
+    shape.stages = stages;
+    shape.tokens_per_cta = static_cast<int>(tokens);
+    shape.bytes = per_token * stages * tokens;
   }
-  return ring;
+  return shape;
+}
+
+// The ring's shape for a tile (both kernels): a stage takes at most
+// kRingStageBytes; 3 stages when it takes at most kRingSmallStageBytes,
+// else 2; the CTA's stages take at most min(kRingBytesPerCta, budget).
+inline RingShape ring_shape(const TileConfig& tile, int64_t N, int64_t budget) {
+  const int64_t per_token = N * tile.vpt * tile.group * 16;
+  const int stages = per_token <= kRingSmallStageBytes ? 3 : 2;
+  return staged_rows_shape(tile, N, stages, kRingStageBytes, kRingBytesPerCta, budget);
 }
 
 // allow_ring = false (ATTNRES_CUDA_RING=0): never the ring.
@@ -245,15 +255,12 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   // groups must fill whole warps. The single-pass backward reads each row
   // once: nothing to stage.
   if (plan.ring_stages == 0 && tile.vec == natural && !single_pass) {
-    const int64_t per_token = N * tile.vpt * tile.group * 16;
-    const int64_t min_tokens = tile.group < 32 ? 32 / tile.group : 1;
-    const int64_t budget = std::min<int64_t>(kStageBytesPerCta, smem_left);
-    int64_t tokens = std::min<int64_t>(tile.tokens_per_cta, budget / per_token);
-    tokens -= tokens % min_tokens;
-    if (per_token <= kStageBytesPerToken && tokens >= min_tokens) {
+    const RingShape staged =
+        staged_rows_shape(tile, N, 1, kStageBytesPerToken, kStageBytesPerCta, smem_left);
+    if (staged.stages > 0) {
       plan.stage = true;
-      tile.tokens_per_cta = static_cast<int>(tokens);
-      plan.smem_bytes = static_cast<size_t>(per_token * tokens);
+      tile.tokens_per_cta = staged.tokens_per_cta;
+      plan.smem_bytes = static_cast<size_t>(staged.bytes);
     }
   }
   // Several groups per CTA sum their query-gradient partials there.
