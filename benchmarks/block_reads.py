@@ -60,6 +60,15 @@ def cpu_name() -> str:
     return f"{model.strip()} ({torch.get_num_threads()} threads)"
 
 
+def git_head() -> str:
+    try:
+        import subprocess
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
 # ---- part 1: the reads of a Block model ------------------------------------------
 
 
@@ -210,6 +219,34 @@ def part_reads(T, D, repeats, out):
                 del model
 
 
+def part_phase1(T, D, repeats, out, n=9):
+    """Phase 1 alone against S one-call reads of the same n sources (no
+    merges): how its time grows with the readers it serves."""
+    out.append(f"\n## Phase 1 alone: n = {n} sources, fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
+    out.append("| S | phase 1 ms | S one-call reads ms | ratio | phase 1 source reads GB/s |")
+    out.append("|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randn(T, D, generator=g) for _ in range(n)]
+    with torch.no_grad():
+        for S in (1, 4, 8):
+            q = torch.randn(S, D, generator=g) / D ** 0.5
+            w = torch.rand(S, D, generator=g) + 0.5
+
+            def one_call():
+                for s in range(S):
+                    attnres.depth_attention(sources, q[s], w[s])
+
+            def phase1():
+                attnres.block_reads(sources, q, w)
+
+            one_call(), phase1()  # first touch of the outputs' memory, untimed
+            med = interleaved({"one": one_call, "p1": phase1}, repeats)
+            gbs = n * T * D * 4 / med["p1"] / 1e9
+            out.append(f"| {S} | {1e3 * med['p1']:.1f} | {1e3 * med['one']:.1f} | "
+                       f"{med['p1'] / med['one']:.3f} | {gbs:.1f} |")
+            print(out[-1], flush=True)
+
+
 # ---- part 2: the example GPT's inference forward ---------------------------------------
 
 
@@ -316,23 +353,30 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (dry run)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens of part 1's and part 3's reads (default 2048; --quick 128): "
+                         "more than the last-level cache holds shows the memory-bound case")
+    ap.add_argument("--reads-only", action="store_true",
+                    help="part 1 only (the inference reads), and phase 1 alone against S "
+                         "one-call reads; results file suffixed _reads_T<tokens>")
     args = ap.parse_args()
     machine = cpu_name()
-    T = 128 if args.quick else 2048
+    T = args.tokens or (128 if args.quick else 2048)
     repeats = 2 if args.quick else args.repeats
+    command = " ".join(["python benchmarks/block_reads.py", *sys.argv[1:]])
     out = [f"# Two-phase vs one-call Block reads, CPU\n",
-           f"Machine: {machine}; torch {torch.__version__}; "
-           f"command: `python benchmarks/block_reads.py{' --quick' if args.quick else ''}`\n"]
+           f"Machine: {machine}; torch {torch.__version__}; git {git_head()}; "
+           f"command: `{command}`\n"]
     load_before = os.getloadavg()
     part_reads(T, 1024, repeats, out)
-    if args.quick:
+    if args.reads_only:
+        part_phase1(T, 1024, repeats, out)
+    if args.quick and not args.reads_only:
         part_gpt(2, 64, 2, 32, 2, repeats, out)
-    else:
-        part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
-    if args.quick:
         part_train_reads(T, 1024, repeats, [(12, 4)], out)
         part_gpt_train(2, 64, 2, 32, 2, repeats, out)
-    else:
+    elif not args.reads_only:
+        part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
         part_train_reads(T, 1024, repeats, [(12, 2), (12, 4), (32, 2), (32, 4), (32, 8), (64, 2),
                                              (64, 4)], out)
         part_gpt_train(16, 512, 4, 256, 4, 2 * repeats + 1, out)
@@ -342,7 +386,8 @@ def main():
                f"{', '.join(f'{x:.1f}' for x in load_after)} (the VM is shared; other jobs ran).")
     if not args.quick:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
-        path = RESULTS / f"block_reads_{stem}.md"
+        suffix = f"_reads_T{T}" if args.reads_only else ""
+        path = RESULTS / f"block_reads_{stem}{suffix}.md"
         path.write_text("\n".join(out) + "\n")
         print(f"wrote {path}", file=sys.stderr)
 
