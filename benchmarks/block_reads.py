@@ -2,6 +2,9 @@
 
   python benchmarks/block_reads.py            # writes benchmarks/results/block_reads_<cpu>.md
   python benchmarks/block_reads.py --quick    # small T and few repeats (a dry run)
+  python benchmarks/block_reads.py --tokens 8192 --reads-only
+      # part 1 at 8192 tokens (sources beyond a large L3) and phase 1 alone
+      # against S one-call reads of the same 9 sources: block_reads_<cpu>_reads_T8192.md
 
 Part 1, the reads of a Block model: L reads (one per sublayer) over the
 sources a Block stream holds (embedding, completed block sums, partial
@@ -28,9 +31,9 @@ the example GPT: standard residual, Block one-call, Block "auto" and
 "two_phase".
 
 Timing: the variants of one configuration run interleaved, one call each in
-turn, repeated; the median per variant is reported only as a ratio to the
-baseline measured in the same run (the VM is shared and noisy: absolute
-times are not comparable across runs). No timing is a pass/fail criterion.
+turn, repeated; the medians are compared as ratios to the baseline measured
+in the same run (the VM is shared and noisy: absolute times, printed where
+useful, are not comparable across runs). No timing is a pass/fail criterion.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def cpu_name() -> str:
 def git_head() -> str:
     try:
         import subprocess
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
     except OSError:
         return "?"
@@ -198,6 +201,7 @@ def interleaved(fns, repeats):
 
 def part_reads(T, D, repeats, out):
     out.append(f"## Reads of a Block model: fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
+    print(out[-1], flush=True)
     out.append("Bytes per token counted from the ops' inputs and outputs (docs/design.md §10); "
                "time as the ratio of medians over interleaved runs.\n")
     out.append("| L | S | one-call KiB/token | two-phase KiB/token | bytes ratio | time ratio "
@@ -223,7 +227,9 @@ def part_phase1(T, D, repeats, out, n=9):
     """Phase 1 alone against S one-call reads of the same n sources (no
     merges): how its time grows with the readers it serves."""
     out.append(f"\n## Phase 1 alone: n = {n} sources, fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
-    out.append("| S | phase 1 ms | S one-call reads ms | ratio | phase 1 source reads GB/s |")
+    print(out[-1], flush=True)
+    out.append("| S | phase 1 ms | S one-call reads ms | ratio | phase 1 GB/s of source rows read "
+               "(the S partial outputs written not counted) |")
     out.append("|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(1)
     sources = [torch.randn(T, D, generator=g) for _ in range(n)]
@@ -386,7 +392,8 @@ def main():
                f"{', '.join(f'{x:.1f}' for x in load_after)} (the VM is shared; other jobs ran).")
     if not args.quick:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
-        suffix = f"_reads_T{T}" if args.reads_only else ""
+        suffix = (f"_reads_T{T}" if args.reads_only else
+                  "" if T == 2048 else f"_T{T}")
         path = RESULTS / f"block_reads_{stem}{suffix}.md"
         path.write_text("\n".join(out) + "\n")
         print(f"wrote {path}", file=sys.stderr)

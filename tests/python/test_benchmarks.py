@@ -281,7 +281,8 @@ def test_block_reads_benchmark_quick():
     # Part 1's nine (L, S) rows and part 3's one training row (L = 12, S = 4).
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 10
     assert "block two-phase" in proc.stdout and "training step" in proc.stdout
-    # --reads-only --tokens: part 1 alone at the given size.
+    assert "Phase 1 alone" not in proc.stdout
+    # --reads-only --tokens: part 1 and phase 1 alone, at the given size.
     proc = subprocess.run([sys.executable, str(script), "--quick", "--reads-only", "--tokens", "96"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -289,6 +290,7 @@ def test_block_reads_benchmark_quick():
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 9
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("1", "4", "8")) == 3  # phase 1 alone
     assert "training step" not in proc.stdout and "block two-phase" not in proc.stdout
+    assert "T = 96 tokens" in proc.stdout and "Phase 1 alone" in proc.stdout
 
 
 def test_out_norm_benchmark_quick(tmp_path):
