@@ -7,7 +7,10 @@
 // kernel source with real thread/lane indices, reductions and barriers.
 // cp.async (ATTNRES_EMULATED_CP_ASYNC) is queued per thread and commit group
 // and performed only at the wait_group that retires its group, so a read of
-// a stage before its wait finds the stage's old bytes.
+// a stage before its wait finds the stage's old bytes; with
+// emu::cp_async_at_issue set, each copy is performed when it is issued (as
+// early as a GPU may land it), so a read of a stage after its refill was
+// issued finds the new bytes. Each mode catches one of the two races.
 #pragma once
 
 #include <algorithm>
@@ -70,7 +73,16 @@ inline thread_local AsyncCopies async_copies;
 // land in shared memory after the reader, or after the CTA ended).
 inline std::atomic<bool> async_copies_left{false};
 
-inline void cp_async_16(void* smem, const void* gmem) { async_copies.open.push_back({smem, gmem}); }
+// Copies performed at issue instead of at their wait (see the top).
+inline std::atomic<bool> cp_async_at_issue{false};
+
+inline void cp_async_16(void* smem, const void* gmem) {
+  if (cp_async_at_issue.load(std::memory_order_relaxed)) {
+    std::memcpy(smem, gmem, 16);
+    return;
+  }
+  async_copies.open.push_back({smem, gmem});
+}
 
 inline void cp_async_commit() {
   async_copies.committed.push_back(std::move(async_copies.open));

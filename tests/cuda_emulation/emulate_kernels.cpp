@@ -1250,21 +1250,33 @@ int main(int argc, char** argv) {
   // The backward's ring takes the same cases (its tiles, classes and token
   // blocks in the comments after the forward's), plus its class 32 (D = 512)
   // and, bf16, whole warps with 2 tokens a CTA.
-  ring_refills(c10::BFloat16{}, {{3, 200, 64, 0, false, 1},     // G = 8, 7 blocks; bwd same
-                                 {2, 8, 4096, 0, false, 1},     // G = 256 warps, 8 blocks; bwd same
-                                 {2, 9, 2048, 0, false, 1},     // warps at vpt = 1; bwd same
-                                 {3, 40, 512, 0, false, 1},     // bwd <8, 2> G = 32, 6 blocks
-                                 {2, 20, 1024, 0, false, 1}});  // bwd G = 128, 2 tokens, 10 blocks
-  ring_refills(c10::Half{}, {{3, 200, 64, 0, false, 1}, {2, 8, 4096, 0, false, 1},
-                             {3, 40, 512, 0, false, 1}});       // bwd G = 32, 6 blocks
-  ring_refills(float{}, {{3, 100, 32, 0, false, 1},     // G = 8, 4 blocks; bwd same
-                         {3, 200, 64, 0, false, 1},     // G = 16, 13 blocks; bwd same
-                         {2, 8, 2048, 0, false, 1},     // warps; bwd <4, 2> G = 256, 8 blocks
-                         {2, 9, 1024, 0, false, 1},     // a warp, 5 blocks; bwd G = 256, 9 blocks
-                         {3, 40, 512, 0, false, 1}});   // bwd <4, 4> G = 32, 3 tokens, 14 blocks
-  ring_refills(double{}, {{3, 200, 64, 0, false, 1},    // bwd G = 32, 8 tokens, 25 blocks
-                          {2, 8, 1024, 0, false, 1},    // bwd <2, 2> G = 256, 8 blocks
-                          {3, 300, 8, 0, false, 1}});   // bwd G = 4, 64 tokens, 5 blocks
+  auto all_refills = [&] {
+    ring_refills(c10::BFloat16{}, {{3, 200, 64, 0, false, 1},     // G = 8, 7 blocks; bwd same
+                                   {2, 8, 4096, 0, false, 1},     // G = 256 warps, 8 blocks; bwd same
+                                   {2, 9, 2048, 0, false, 1},     // warps at vpt = 1; bwd same
+                                   {3, 40, 512, 0, false, 1},     // bwd <8, 2> G = 32, 6 blocks
+                                   {2, 20, 1024, 0, false, 1}});  // bwd G = 128, 2 tokens, 10 blocks
+    ring_refills(c10::Half{}, {{3, 200, 64, 0, false, 1}, {2, 8, 4096, 0, false, 1},
+                               {3, 40, 512, 0, false, 1}});       // bwd G = 32, 6 blocks
+    ring_refills(float{}, {{3, 100, 32, 0, false, 1},     // G = 8, 4 blocks; bwd same
+                           {3, 200, 64, 0, false, 1},     // G = 16, 13 blocks; bwd same
+                           {2, 8, 2048, 0, false, 1},     // warps; bwd <4, 2> G = 256, 8 blocks
+                           {2, 9, 1024, 0, false, 1},     // a warp, 5 blocks; bwd G = 256, 9 blocks
+                           {3, 40, 512, 0, false, 1}});   // bwd <4, 4> G = 32, 3 tokens, 14 blocks
+    ring_refills(double{}, {{3, 200, 64, 0, false, 1},    // bwd G = 32, 8 tokens, 25 blocks
+                            {2, 8, 1024, 0, false, 1},    // bwd <2, 2> G = 256, 8 blocks
+                            {3, 300, 8, 0, false, 1}});   // bwd G = 4, 64 tokens, 5 blocks
+  };
+  all_refills();
+  // The same refill cases with every cp.async performed when it is issued:
+  // a stage refilled before its last read (the forward's sweep, the
+  // backward's passes or rare path) would then hand that read the rows S
+  // token blocks ahead, and the bit-for-bit comparison with the kernel
+  // without the ring fails. The queued mode above catches the opposite race
+  // (a read before its wait_group).
+  emu::cp_async_at_issue = true;
+  all_refills();
+  emu::cp_async_at_issue = false;
   std::printf("%d case(s) took the forward ring\n", ring_cases);
   std::printf("%d case(s) took the backward ring\n", backward_ring_cases);
   std::printf("%d failure(s)\n", failures);
