@@ -51,6 +51,8 @@ import attnres
 from attnres.models import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+import bench  # noqa: E402  (git_state: the measured code's commit, shared with bench.py)
 
 
 def cpu_name() -> str:
@@ -61,15 +63,6 @@ def cpu_name() -> str:
     except OSError:
         model = "unknown CPU"
     return f"{model.strip()} ({torch.get_num_threads()} threads)"
-
-
-def git_head() -> str:
-    try:
-        import subprocess
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
-    except OSError:
-        return "?"
 
 
 # ---- part 1: the reads of a Block model ------------------------------------------
@@ -371,7 +364,7 @@ def main():
     repeats = 2 if args.quick else args.repeats
     command = " ".join(["python benchmarks/block_reads.py", *sys.argv[1:]])
     out = [f"# Two-phase vs one-call Block reads, CPU\n",
-           f"Machine: {machine}; torch {torch.__version__}; git {git_head()}; "
+           f"Machine: {machine}; torch {torch.__version__}; git {bench.git_state()}; "
            f"command: `{command}`\n"]
     load_before = os.getloadavg()
     part_reads(T, 1024, repeats, out)
