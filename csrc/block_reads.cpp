@@ -1,6 +1,7 @@
 // Two-phase Block reads (docs/design.md §10): argument checks, the host
-// sequence around the CPU kernels (cpu/block_reads_cpu.cpp), the CPU and
-// CUDA registrations, the C++ autograd and the C++ API of block_reads.h.
+// sequence of every device (attnres/block_read_sequence.h) and the CPU's
+// backward, the CPU registrations (the CUDA ones: cuda/block_reads_cuda.cu),
+// the C++ autograd and the C++ API of block_reads.h.
 // The schemas are in the one TORCH_LIBRARY block (ops.cpp).
 #include "attnres/block_reads.h"
 
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "attnres/arguments.h"
+#include "attnres/block_read_sequence.h"
 #include "attnres/gradient_cache.h"
 #include "attnres/op_sequence.h"
 #include "autograd_helpers.h"
@@ -113,13 +115,15 @@ void check_cpu_capability() {
 #endif
 }
 
-// ---- CPU host sequence -------------------------------------------------------
+}  // namespace
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_reads_fwd_cpu(
-    at::TensorList sources, const at::Tensor& queries,
+// ---- the forward ops' host sequence of every device (block_read_sequence.h) ---
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_block_reads_fwd(
+    const BlockReadKernels& k, at::TensorList sources, const at::Tensor& queries,
     const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
   const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
-  check_cpu_capability();
+  if (k.check_device) k.check_device();
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
@@ -132,10 +136,148 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> block_re
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
   if (p.T > 0) {
-    cpu::block_reads_forward({p.N, S, p.D, p.T, sources, u, eps, partial_outs, lse, rstd, weights});
+    k.reads_forward({p.N, S, p.D, p.T, sources, u, eps, partial_outs, lse, rstd, weights});
   }
   return {partial_outs, lse, rstd, weights};
 }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_fwd(
+    const BlockReadKernels& k, const at::Tensor& partial_out, const at::Tensor& lse,
+    const at::Tensor& block_sum, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  if (k.check_device) k.check_device();
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+  at::Tensor out = detail::empty_cached(block_sum.sizes(), block_sum.options());
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor lse_c = lse.contiguous();
+    k.merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
+  }
+  return {out, rstd, weight};
+}
+
+
+void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
+                                  const at::Tensor& lse, const at::Tensor& block_sum,
+                                  const at::Tensor& query,
+                                  const std::optional<at::Tensor>& norm_weight, double eps,
+                                  double scale) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
+                    "partial_out must be contiguous for block_read_merge_inplace (h is written "
+                    "into it)");
+  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
+                    "partial_out and block_sum must be different tensors");
+  if (k.check_device) k.check_device();
+  if (p.T == 0) return;
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  const at::Tensor lse_c = lse.contiguous();
+  // Each step of the kernel reads y's and P's elements before it stores h's
+  // at the same place, so h may overwrite y.
+  at::Tensor out = partial_out;
+  k.merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
+}
+
+BlockReadsNormedForward run_block_reads_normed_fwd(const BlockReadKernels& k,
+                                                   at::TensorList sources,
+                                                   const at::Tensor& queries,
+                                                   const std::optional<at::Tensor>& norm_weights,
+                                                   const at::Tensor& out_weight, double eps,
+                                                   double scale, double out_eps, bool keep_h) {
+  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
+  check_out_norm_args(out_weight, out_eps, sources, p);
+  if (k.check_device) k.check_device();
+  const int64_t S = queries.size(0);
+  const at::Tensor& src0 = sources[0];
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  const auto rows = src0.options().memory_format(at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> partial_outs;
+  for (int64_t s = 0; s < S; ++s) partial_outs.push_back(detail::empty_cached(src0.sizes(), rows));
+  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
+  at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
+  at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
+  at::Tensor h = keep_h ? detail::empty_cached(src0.sizes(), rows) : at::empty({0}, src0.options());
+  at::Tensor out_rstd = at::empty(p.lead_shape, src0.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
+    const at::Tensor w = out_weight.to(acc).contiguous();
+    at::Tensor no_h;
+    const OutNormForward norm{w, out_eps, out_rstd, keep_h ? h : no_h};
+    k.reads_forward(
+        {p.N, S, p.D, p.T, sources, u, eps, partial_outs, lse, rstd, weights, &norm});
+  }
+  return {partial_outs, lse, rstd, weights, h, out_rstd};
+}
+
+MergeNormedForward run_block_read_merge_normed_fwd(
+    const BlockReadKernels& k, const at::Tensor& partial_out, const at::Tensor& lse,
+    const at::Tensor& block_sum, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& out_weight, double eps, double scale, double out_eps, bool keep_h) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  check_out_norm_args(out_weight, out_eps, {block_sum}, p);
+  if (k.check_device) k.check_device();
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor out = detail::empty_cached(block_sum.sizes(), rows);
+  at::Tensor h =
+      keep_h ? detail::empty_cached(block_sum.sizes(), rows) : at::empty({0}, block_sum.options());
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor out_rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    const at::Tensor w = out_weight.to(acc).contiguous();
+    at::Tensor no_h;
+    const OutNormForward norm{w, out_eps, out_rstd, keep_h ? h : no_h};
+    const at::Tensor lse_c = lse.contiguous();
+    k.merge_forward(
+        {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});
+  }
+  return {out, h, rstd, weight, out_rstd};
+}
+
+
+void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
+                                         const at::Tensor& partial_out, const at::Tensor& lse,
+                                         const at::Tensor& block_sum, const at::Tensor& query,
+                                         const std::optional<at::Tensor>& norm_weight,
+                                         const at::Tensor& out_weight, double eps, double scale,
+                                         double out_eps) {
+  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
+  check_out_norm_args(out_weight, out_eps, {block_sum}, p);
+  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
+                    "partial_out must be contiguous for block_read_merge_normed_inplace (y is "
+                    "written into it)");
+  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
+                    "partial_out and block_sum must be different tensors");
+  if (k.check_device) k.check_device();
+  if (p.T == 0) return;
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+  const at::Tensor w = out_weight.to(acc).contiguous();
+  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor out_rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  at::Tensor no_h;
+  const OutNormForward norm{w, out_eps, out_rstd, no_h};
+  const at::Tensor lse_c = lse.contiguous();
+  // The kernel has a token's h row in an L1 buffer before it writes y, so
+  // y may overwrite the partial output it was read from.
+  at::Tensor out = partial_out;
+  k.merge_forward(
+      {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});
+}
+
+namespace {
+
+// ---- the CPU's backward host sequence ----------------------------------------
+
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
     at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
@@ -173,46 +315,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   return finish_backward(grads, z, queries, norm_weights, scale, want_query, want_gain);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_read_merge_fwd_cpu(
-    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
-    double scale) {
-  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
-  check_cpu_capability();
-  const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  at::Tensor out = detail::empty_cached(block_sum.sizes(), block_sum.options());
-  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (p.T > 0) {
-    const at::Tensor lse_c = lse.contiguous();
-    cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
-  }
-  return {out, rstd, weight};
-}
-
-void block_read_merge_inplace_cpu(const at::Tensor& partial_out, const at::Tensor& lse,
-                                  const at::Tensor& block_sum, const at::Tensor& query,
-                                  const std::optional<at::Tensor>& norm_weight, double eps,
-                                  double scale) {
-  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
-  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
-                    "partial_out must be contiguous for block_read_merge_inplace (h is written "
-                    "into it)");
-  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
-                    "partial_out and block_sum must be different tensors");
-  check_cpu_capability();
-  if (p.T == 0) return;
-  const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  const at::Tensor lse_c = lse.contiguous();
-  // Each step of the kernel reads y's and P's elements before it stores h's
-  // at the same place, so h may overwrite y.
-  at::Tensor out = partial_out;
-  cpu::block_read_merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight});
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
@@ -249,35 +351,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_rea
 
 // ---- phase 1 with reader 0's output norm (docs/design.md §11) -----------------
 
-BlockReadsNormedForward block_reads_normed_fwd_cpu(at::TensorList sources,
-                                                   const at::Tensor& queries,
-                                                   const std::optional<at::Tensor>& norm_weights,
-                                                   const at::Tensor& out_weight, double eps,
-                                                   double scale, double out_eps, bool keep_h) {
-  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
-  check_out_norm_args(out_weight, out_eps, sources, p);
-  check_cpu_capability();
-  const int64_t S = queries.size(0);
-  const at::Tensor& src0 = sources[0];
-  const auto acc = acc_dtype_for(src0.scalar_type());
-  const auto rows = src0.options().memory_format(at::MemoryFormat::Contiguous);
-  std::vector<at::Tensor> partial_outs;
-  for (int64_t s = 0; s < S; ++s) partial_outs.push_back(detail::empty_cached(src0.sizes(), rows));
-  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
-  at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
-  at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
-  at::Tensor h = keep_h ? detail::empty_cached(src0.sizes(), rows) : at::empty({0}, src0.options());
-  at::Tensor out_rstd = at::empty(p.lead_shape, src0.options().dtype(acc));
-  if (p.T > 0) {
-    const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
-    const at::Tensor w = out_weight.to(acc).contiguous();
-    at::Tensor no_h;
-    const OutNormForward norm{w, out_eps, out_rstd, keep_h ? h : no_h};
-    cpu::block_reads_forward(
-        {p.N, S, p.D, p.T, sources, u, eps, partial_outs, lse, rstd, weights, &norm});
-  }
-  return {partial_outs, lse, rstd, weights, h, out_rstd};
-}
 
 BlockReadsNormedBackward block_reads_normed_bwd_cpu(
     at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
@@ -328,62 +401,6 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
 
 // ---- phase 2 with the fused output norm (docs/design.md §11) -------------------
 
-MergeNormedForward block_read_merge_normed_fwd_cpu(
-    const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, double eps, double scale, double out_eps, bool keep_h) {
-  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
-  check_out_norm_args(out_weight, out_eps, {block_sum}, p);
-  check_cpu_capability();
-  const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor out = detail::empty_cached(block_sum.sizes(), rows);
-  at::Tensor h =
-      keep_h ? detail::empty_cached(block_sum.sizes(), rows) : at::empty({0}, block_sum.options());
-  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor out_rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (p.T > 0) {
-    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-    const at::Tensor w = out_weight.to(acc).contiguous();
-    at::Tensor no_h;
-    const OutNormForward norm{w, out_eps, out_rstd, keep_h ? h : no_h};
-    const at::Tensor lse_c = lse.contiguous();
-    cpu::block_read_merge_forward(
-        {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});
-  }
-  return {out, h, rstd, weight, out_rstd};
-}
-
-void block_read_merge_normed_inplace_cpu(const at::Tensor& partial_out, const at::Tensor& lse,
-                                         const at::Tensor& block_sum, const at::Tensor& query,
-                                         const std::optional<at::Tensor>& norm_weight,
-                                         const at::Tensor& out_weight, double eps, double scale,
-                                         double out_eps) {
-  const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
-  check_out_norm_args(out_weight, out_eps, {block_sum}, p);
-  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
-                    "partial_out must be contiguous for block_read_merge_normed_inplace (y is "
-                    "written into it)");
-  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
-                    "partial_out and block_sum must be different tensors");
-  check_cpu_capability();
-  if (p.T == 0) return;
-  const auto acc = acc_dtype_for(block_sum.scalar_type());
-  const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-  const at::Tensor w = out_weight.to(acc).contiguous();
-  at::Tensor rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor out_rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  at::Tensor no_h;
-  const OutNormForward norm{w, out_eps, out_rstd, no_h};
-  const at::Tensor lse_c = lse.contiguous();
-  // The kernel has a token's h row in an L1 buffer before it writes y, so
-  // y may overwrite the partial output it was read from.
-  at::Tensor out = partial_out;
-  cpu::block_read_merge_forward(
-      {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});
-}
 
 MergeNormedBackward block_read_merge_normed_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
@@ -425,15 +442,6 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
   if (!output_mask.get(4)) grad_gain = at::Tensor();
   if (d_out_weight.defined()) d_out_weight = d_out_weight.to(out_weight.scalar_type());
   return {d_partial, d_lse, d_block, grad_query, grad_gain, d_out_weight};
-}
-
-// ---- CUDA: no kernels yet ----------------------------------------------------
-
-[[noreturn]] void no_cuda_kernel(const char* op) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "attnres::", op,
-                              " has no CUDA kernel yet: two-phase Block reads run on CPU only "
-                              "(attnres.DepthStream keeps one-call reads on CUDA; "
-                              "docs/design.md §10)");
 }
 
 // ---- autograd ------------------------------------------------------------------
@@ -966,79 +974,55 @@ MergeNormedBackward block_read_merge_normed_bwd_autograd(
   return {all[0], all[1], all[2], all[3], all[4], all[5]};
 }
 
+constexpr BlockReadKernels kCpuBlockReadKernels{&check_cpu_capability, &cpu::block_reads_forward,
+                                                &cpu::block_read_merge_forward};
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnres, CPU, m) {
-  m.impl("block_reads_fwd", &block_reads_fwd_cpu);
-  m.impl("block_reads_bwd", &block_reads_bwd_cpu);
-  m.impl("block_read_merge_fwd", &block_read_merge_fwd_cpu);
-  m.impl("block_read_merge_bwd", &block_read_merge_bwd_cpu);
-  m.impl("block_read_merge_inplace", &block_read_merge_inplace_cpu);
-  m.impl("block_reads_normed_fwd", &block_reads_normed_fwd_cpu);
-  m.impl("block_reads_normed_bwd", &block_reads_normed_bwd_cpu);
-  m.impl("block_read_merge_normed_fwd", &block_read_merge_normed_fwd_cpu);
-  m.impl("block_read_merge_normed_bwd", &block_read_merge_normed_bwd_cpu);
-  m.impl("block_read_merge_normed_inplace", &block_read_merge_normed_inplace_cpu);
+void block_read_no_kernel(const char* op, const char* device) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "attnres::", op, " has no ", device,
+                              " kernel yet: on ", device,
+                              " the two-phase Block reads run without autograd only "
+                              "(attnres.DepthStream reads one-call there while gradients are "
+                              "enabled; docs/design.md §10)");
 }
 
-TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
-  m.impl("block_reads_fwd", [](at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&,
-                               double, double)
-             -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> {
-    no_cuda_kernel("block_reads_fwd");
-  });
+void register_block_read_backward_missing_cuda(torch::Library& m) {
   m.impl("block_reads_bwd",
          [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
             const c10::List<bool>&) -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> {
-           no_cuda_kernel("block_reads_bwd");
-         });
-  m.impl("block_read_merge_fwd",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, double,
-            double) -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-           no_cuda_kernel("block_read_merge_fwd");
+           block_read_no_kernel("block_reads_bwd", "CUDA");
          });
   m.impl("block_read_merge_bwd",
          [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
             const c10::List<bool>&)
              -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
-           no_cuda_kernel("block_read_merge_bwd");
-         });
-  m.impl("block_read_merge_inplace",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, double, double) {
-           no_cuda_kernel("block_read_merge_inplace");
-         });
-  m.impl("block_reads_normed_fwd",
-         [](at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&,
-            const at::Tensor&, double, double, double, bool) -> BlockReadsNormedForward {
-           no_cuda_kernel("block_reads_normed_fwd");
+           block_read_no_kernel("block_read_merge_bwd", "CUDA");
          });
   m.impl("block_reads_normed_bwd",
          [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
             const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
             const c10::List<bool>&) -> BlockReadsNormedBackward {
-           no_cuda_kernel("block_reads_normed_bwd");
+           block_read_no_kernel("block_reads_normed_bwd", "CUDA");
          });
-  m.impl("block_read_merge_normed_fwd",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, double, double, double,
-            bool) -> MergeNormedForward { no_cuda_kernel("block_read_merge_normed_fwd"); });
   m.impl("block_read_merge_normed_bwd",
          [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
             const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
             const c10::List<bool>&) -> MergeNormedBackward {
-           no_cuda_kernel("block_read_merge_normed_bwd");
+           block_read_no_kernel("block_read_merge_normed_bwd", "CUDA");
          });
-  m.impl("block_read_merge_normed_inplace",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, double, double, double) {
-           no_cuda_kernel("block_read_merge_normed_inplace");
-         });
+}
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  register_block_read_kernels<kCpuBlockReadKernels>(m);
+  m.impl("block_reads_bwd", &block_reads_bwd_cpu);
+  m.impl("block_read_merge_bwd", &block_read_merge_bwd_cpu);
+  m.impl("block_reads_normed_bwd", &block_reads_normed_bwd_cpu);
+  m.impl("block_read_merge_normed_bwd", &block_read_merge_normed_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) {

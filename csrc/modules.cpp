@@ -117,8 +117,9 @@ void DepthStream::append(const at::Tensor& output) {
 
 bool DepthStream::two_phase(int64_t num_completed) const {
   if (!block_size_ || *block_size_ < 2 || block_reads_ == BlockReads::kOneCall) return false;
-  // CUDA: one-call reads until its two-phase kernels land.
-  if (!embedding_.device().is_cpu()) return false;
+  // CUDA has the forward kernels only: one-call reads while grads are on.
+  if (!embedding_.device().is_cpu() && !embedding_.device().is_cuda()) return false;
+  if (embedding_.device().is_cuda() && at::GradMode::is_enabled()) return false;
   const auto t = embedding_.scalar_type();
   if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
   if (block_reads_ == BlockReads::kTwoPhase) return true;

@@ -1,7 +1,8 @@
 // CPU kernels of the two-phase Block read ops (docs/design.md §10), built
 // with the vector ISA flags like kernels_cpu.cpp; reached only through
 // csrc/block_reads.cpp, which checks the arguments, allocates the outputs
-// and checks the CPU's capability first. Never called with T == 0.
+// and checks the CPU's capability first. Never called with T == 0. The
+// forward calls are device-neutral (attnres/block_read_sequence.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,26 +11,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward
+#include "attnres/block_read_sequence.h"  // the forward calls
+#include "attnres/op_sequence.h"  // OutNormBackward
 
 namespace attnres {
 namespace cpu {
 
-// Phase 1: N completed sources, S readers, T tokens of width D.
-struct BlockReadsForwardCall {
-  int64_t N, S, D, T;
-  at::TensorList sources;
-  const at::Tensor& u;  // [S, D] scale * query * gain, accumulation dtype, contiguous
-  double eps;
-  std::vector<at::Tensor>& partial_outs;  // S contiguous [..., D], sources' dtype
-  at::Tensor& lse;                        // [S, ...] accumulation dtype
-  at::Tensor& rstd;                       // [N, ...]
-  at::Tensor& weights;                    // [S, N, ...]
-  // The fused output norm of reader 0 (docs/design.md §11): partial_outs[0]
-  // is y_0 = RMSNorm(h_0) * w (reader 0's read is final at phase 1), h_0
-  // written to out_norm->h where that is defined. Null: partial_outs[0] is h_0.
-  const OutNormForward* out_norm = nullptr;
-};
 
 struct BlockReadsBackwardCall {
   int64_t N, S, D, T;
@@ -49,21 +36,6 @@ struct BlockReadsBackwardCall {
   const at::Tensor* h = nullptr;
 };
 
-// Phase 2: one reader, one more source (the partial block sum).
-struct MergeForwardCall {
-  int64_t D, T;
-  const at::Tensor& partial_out;  // [..., D] any strides
-  const at::Tensor& lse;          // [...] contiguous
-  const at::Tensor& block_sum;    // [..., D] any strides
-  const at::Tensor& u;            // [D]
-  double eps;
-  at::Tensor& out;     // contiguous (y with out_norm, else h)
-  at::Tensor& rstd;    // [...]
-  at::Tensor& weight;  // [...]
-  // The fused output norm (docs/design.md §11): out is y = RMSNorm(h) * w,
-  // h written to out_norm->h where that is defined. Null: out is h.
-  const OutNormForward* out_norm = nullptr;
-};
 
 struct MergeBackwardCall {
   int64_t D, T;

@@ -191,8 +191,10 @@ class DepthStream:
         """Whether the reads of the current block use the two-phase ops."""
         if self.block_size is None or self.block_size < 2 or self.block_reads == "one_call":
             return False
-        if self.device.type != "cpu" or self.dtype not in _TWO_PHASE_DTYPES:
-            return False  # CUDA: one-call reads until its two-phase kernels land
+        if self.device.type not in ("cpu", "cuda") or self.dtype not in _TWO_PHASE_DTYPES:
+            return False
+        if self.device.type == "cuda" and torch.is_grad_enabled():
+            return False  # CUDA has the forward kernels only: one-call reads while grads are on
         if self.block_reads == "two_phase":
             return True
         if torch.is_grad_enabled() and self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:

@@ -339,8 +339,10 @@ def depth_attention(
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
-# CPU kernels only (csrc/cpu/block_reads_cpu.cpp); on CUDA tensors the ops
-# raise NotImplementedError naming the missing kernel. Autograd in C++
+# CPU kernels (csrc/cpu/block_reads_cpu.cpp) for all of them; CUDA kernels
+# (csrc/cuda/block_kernels.cuh) for the forward ops only: on CUDA the backward
+# ops raise NotImplementedError naming the missing kernel, so a CUDA read
+# that needs a gradient raises at backward. Autograd in C++
 # (csrc/block_reads.cpp), like the ops above.
 
 
@@ -591,7 +593,7 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
     into ``partial_out`` (contiguous; the phase-1 output this read consumes)
     and returned, so the read allocates no new output. With ``out_weight``
     it is ``RMSNorm(h) * out_weight`` (eps ``out_eps``, fused, §11) that is
-    written. Raises when a gradient is wanted. CPU only."""
+    written. Raises when a gradient is wanted. CPU and CUDA."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     if out_weight is None:
         torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
@@ -615,8 +617,8 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     log-sum-exp of each reader's scores [S, ...] (float32; float64 for
     float64 sources). With ``out_weight`` (reader 0's output norm, §11)
     ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
-    reader 0's read, which has no partial sum to merge. Differentiable. CPU
-    only."""
+    reader 0's read, which has no partial sum to merge. Differentiable on
+    CPU; forward only on CUDA (its backward raises NotImplementedError)."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     if out_weight is None:
         partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(
@@ -640,8 +642,8 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     :func:`depth_attention` over the completed sources and ``block_sum``.
     With ``out_weight`` it returns ``RMSNorm(h) * out_weight`` (eps
     ``out_eps``), the norm fused into the merge (§11), as
-    :func:`depth_attention` does with ``out_weight``. Differentiable. CPU
-    only."""
+    :func:`depth_attention` does with ``out_weight``. Differentiable on
+    CPU; forward only on CUDA (its backward raises NotImplementedError)."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     if out_weight is None:
         out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(

@@ -27,54 +27,17 @@
 #include <string>
 #include <vector>
 
+#include "emulation_common.h"
 #include "kernel_params.h"
 #include "kernels.cuh"
 
 using namespace attnres::cuda;
+using namespace emulation;
 
 namespace {
 
 const char* group_class_name(int cls) {
   return cls == kAnyGroup ? "any" : cls == kWarpsGroup ? "warps" : "32";
-}
-
-template <typename T>
-const char* dtype_name() {
-  if constexpr (std::is_same_v<T, double>) return "float64";
-  if constexpr (std::is_same_v<T, float>) return "float32";
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return "bfloat16";
-  return "float16";
-}
-
-// One row of tests/tolerances.txt (the project's one tolerance table):
-// relative errors ||x - ref|| / ||ref|| allowed against float64.
-struct Tolerance {
-  double output, grad, stats;
-};
-
-Tolerance read_tolerance(const std::string& dtype) {
-  std::ifstream in(ATTNRES_TOLERANCES_FILE);
-  if (!in) throw std::runtime_error("cannot read " ATTNRES_TOLERANCES_FILE);
-  std::vector<std::string> header;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::vector<std::string> cols;
-    for (std::string w; words >> w;) cols.push_back(w);
-    if (cols.empty() || cols[0][0] == '#') continue;
-    if (cols[0] == "dtype") {
-      header = cols;
-      continue;
-    }
-    if (cols[0] != dtype) continue;
-    std::map<std::string, double> row;
-    for (size_t k = 1; k < cols.size() && k < header.size(); ++k) {
-      row[header[k]] = std::atof(cols[k].c_str());
-    }
-    if (!row.count("output") || !row.count("grad") || !row.count("stats")) break;
-    return {row["output"], row["grad"], row["stats"]};
-  }
-  throw std::runtime_error("no output/grad/stats row for " + dtype + " in " ATTNRES_TOLERANCES_FILE);
 }
 
 struct Case {
@@ -136,30 +99,7 @@ struct Case {
 int ring_cases = 0;
 int backward_ring_cases = 0;
 
-// Whether two result buffers hold the same bytes (empty ones do: memcmp
-// must not see their null data).
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return false;
-  if (a.empty()) return true;
-  return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
-// Relative error of the norms, both divided by max|want| first (values
-// near the dtype's maximum must not overflow the squares).
-double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
-  double m = 0;
-  for (double w : want) m = std::max(m, std::fabs(w));
-  if (!(m > 0) || std::isinf(m)) m = 1;
-  double num = 0, den = 0;
-  for (size_t k = 0; k < got.size(); ++k) {
-    const double d = got[k] / m - want[k] / m;
-    num += d * d;
-    den += (want[k] / m) * (want[k] / m);
-  }
-  if (std::isnan(num)) return INFINITY;
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
 
 // rel_err over the entries whose true value is representable (|want| <=
 // limit): a true gradient beyond the dtype's maximum is legitimately inf.

@@ -6,6 +6,7 @@ import torch
 
 import attnres
 from attnres import reference
+from attnres.ops import block_read_merge_inplace
 from helpers import (
     backward_op,
     CUDA_SKIP_REASON,
@@ -445,3 +446,104 @@ def test_normed_misaligned_out_weight_and_h(dtype):
     for a, b in zip(got[0], base[0]):
         assert_rel_close(a, b, REL_TOL[dtype], "source gradient with a misaligned h")
     assert_rel_close(got[3], base[3], REL_TOL[dtype], "out_weight gradient with a misaligned h")
+
+
+# ---- two-phase Block reads: the forward ops' CUDA kernels (docs/design.md §10)
+
+
+def block_problem(n, s, lead, d, dtype, seed=0):
+    """n completed sources, the partial block sum, S queries and gains, an out weight."""
+    g = torch.Generator().manual_seed(seed)
+    pd = param_dtype(dtype)
+    src = [(torch.randn(*lead, d, generator=g, dtype=torch.float64) * (1 + i % 3)).to(dtype)
+           for i in range(n + 1)]
+    queries = (torch.randn(s, d, generator=g, dtype=torch.float64) * (2.0 / d**0.5)).to(pd)
+    gains = (torch.rand(s, d, generator=g, dtype=torch.float64) + 0.5).to(pd)
+    out_w = (1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)).to(pd)
+    return src[:n], src[n], queries, gains, out_w
+
+
+def one_call_f64(sources, query, gain, out_weight=None):
+    """The read over `sources` in float64 on the CPU (the reference)."""
+    return attnres.depth_attention([x.double() for x in sources], query.double(), gain.double(),
+                                   out_weight=None if out_weight is None else out_weight.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,s,d", [(1, 1, 64), (3, 4, 1000), (5, 6, 7186), (9, 4, 1024), (2, 18, 40),
+                                   (67, 2, 24), (4, 3, 3)])
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, normed):
+    sources, block_sum, queries, gains, out_w = block_problem(n, s, (3, 5), d, dtype, seed=n + s + d)
+    cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
+    ow = out_w if normed else None
+    with torch.no_grad():
+        partials, lse = attnres.block_reads([x.cuda() for x in sources], queries.cuda(), gains.cuda(),
+                                            out_weight=cuda(ow))
+        for j in range(s):
+            want = one_call_f64(sources, queries[j], gains[j], ow if j == 0 else None)
+            assert_rel_close(partials[j].cpu().double(), want, REL_TOL[dtype], f"partial {j}")
+        # Phase 2 of reader 1 (reader 0 when S = 1), out of place and in place.
+        j = 1 if s > 1 else 0
+        if normed and j == 0:
+            return
+        want = one_call_f64(sources + [block_sum], queries[j], gains[j], ow)
+        got = attnres.block_read_merge(partials[j], lse[j], block_sum.cuda(), queries[j].cuda(),
+                                       gains[j].cuda(), out_weight=cuda(ow))
+        assert_rel_close(got.cpu().double(), want, REL_TOL[dtype], "merge")
+        in_place = block_read_merge_inplace(partials[j].clone(), lse[j], block_sum.cuda(),
+                                                    queries[j].cuda(), gains[j].cuda(),
+                                                    out_weight=cuda(ow))
+        assert torch.equal(in_place, got)
+
+
+def test_block_read_backward_raises_on_cuda_naming_the_kernel():
+    sources, _, queries, gains, _ = block_problem(2, 3, (4,), 8, torch.float32)
+    sources = [x.cuda().requires_grad_(True) for x in sources]
+    partials, _lse = attnres.block_reads(sources, queries.cuda(), gains.cuda())
+    with pytest.raises(NotImplementedError, match="block_reads_bwd has no CUDA kernel"):
+        sum(p.sum() for p in partials).backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_block_stream_reads_two_phase_without_grad(dtype, monkeypatch):
+    """Under no_grad a CUDA Block stream reads two-phase and gives the
+    one-call result; with grad mode on it reads one-call (no backward
+    kernels on CUDA yet) and trains."""
+    import attnres.modules as modules_mod
+
+    calls = {"phase1": 0}
+    real = modules_mod.block_reads
+
+    def counting(*a, **k):
+        calls["phase1"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(modules_mod, "block_reads", counting)
+    torch.manual_seed(0)
+    D, L, S = 64, 12, 4
+    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype), out_norm="rmsnorm" if i % 3 == 0
+                                       else None).cuda() for i in range(L + 1)]
+    with torch.no_grad():
+        for r in readers:
+            r.query.normal_(0, 1.0 / D**0.5)
+    weights = [(torch.randn(D, D, dtype=torch.float64) / D**0.5).to(dtype).cuda() for _ in range(L)]
+    emb = torch.randn(2, 7, D, dtype=torch.float64).to(dtype).cuda()
+
+    def run(mode):
+        stream = attnres.DepthStream(emb, block_size=S, block_reads=mode)
+        for res, w in zip(readers[:-1], weights):
+            stream.append(torch.tanh(res(stream) @ w))
+        return readers[-1](stream)
+
+    with torch.no_grad():
+        want = run("one_call")
+        run("two_phase")  # learns the order
+        calls["phase1"] = 0
+        got = run("two_phase")
+    assert calls["phase1"] > 0
+    assert_rel_close(got.double(), want.double(), 4 * REL_TOL[dtype], "two-phase vs one-call")
+    calls["phase1"] = 0
+    out = run("two_phase")
+    out.float().pow(2).sum().backward()
+    assert calls["phase1"] == 0 and readers[0].query.grad is not None

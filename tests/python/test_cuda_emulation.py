@@ -26,26 +26,36 @@ def _compiler():
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def _build(tmp_path_factory, program):
+    """Compiles tests/cuda_emulation/<program>.cpp against the stand-in runtime."""
     cxx = _compiler()
     if cxx is None:
         pytest.skip("no C++ compiler found (set CXX) to build the CUDA kernel emulation")
     build = tmp_path_factory.mktemp("cuda_emulation")
     torch_dir = os.path.dirname(torch.__file__)
-    exe = build / "emulate_kernels"
+    exe = build / program
     cmd = [
         cxx, "-std=c++20", "-O1", "-pthread",
         f"-I{EMU_DIR}", f"-I{os.path.join(ROOT, 'csrc', 'cuda')}",
         f'-DATTNRES_TOLERANCES_FILE="{os.path.join(ROOT, "tests", "tolerances.txt")}"',
         f"-I{os.path.join(ROOT, 'csrc', 'include')}", f"-I{os.path.join(torch_dir, 'include')}",
-        os.path.join(EMU_DIR, "emulate_kernels.cpp"), "-o", str(exe),
+        os.path.join(EMU_DIR, program + ".cpp"), "-o", str(exe),
         f"-L{os.path.join(torch_dir, 'lib')}", "-lc10", f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         pytest.fail(f"building the CUDA kernel emulation failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
     return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return _build(tmp_path_factory, "emulate_kernels")
+
+
+@pytest.fixture(scope="module")
+def block_emulator(tmp_path_factory):
+    return _build(tmp_path_factory, "emulate_block_kernels")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")
@@ -68,3 +78,19 @@ def test_cuda_kernels_emulated_on_cpu(emulator, dtype):
     for kernel in ("forward", "backward"):
         assert f"{kernel} group classes:" in result.stdout, result.stdout
     assert "any_group_bits=0" in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")
+def test_block_read_kernels_emulated_on_cpu(block_emulator):
+    """The two-phase Block reads' CUDA kernels (csrc/cuda/block_kernels.cuh),
+    phase 1 and phase 2, plain and normed, in every dtype, against long
+    double."""
+    result = subprocess.run([str(block_emulator)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"emulated block-read kernels disagree:\n{result.stdout[-6000:]}{result.stderr}"
+    assert "0 failure(s)" in result.stdout
+    for dtype in DTYPES:
+        for what in ("phase1", "merge vec=", "merge in place", " norm", "overflow"):
+            assert any(dtype in line and what in line for line in result.stdout.splitlines()), (dtype, what)
+    # The range rescue and the wide, clamped sums ran (not in float16, whose
+    # range cannot reach them).
+    assert " at max " in result.stdout and " range " in result.stdout

@@ -60,5 +60,17 @@ for dtype in float64 float32 bfloat16 float16; do
     echo "emulation $dtype FAILED:"; tail -30 "$EMU.$dtype.log"; fails=$((fails + 1))
   fi
 done
+stamp "Block-read kernels' emulation under ASan+UBSan"
+BEMU="$BUILD/emulate_block_kernels"
+g++ -std=c++20 -O1 -g -pthread $SAN \
+  -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
+  -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
+  tests/cuda_emulation/emulate_block_kernels.cpp -o "$BEMU" \
+  -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
+if "$BEMU" > "$BEMU.log" 2>&1; then
+  echo "block-read emulation: $(tail -1 "$BEMU.log")"
+else
+  echo "block-read emulation FAILED:"; grep -v '^ok' "$BEMU.log" | tail -30; fails=$((fails + 1))
+fi
 stamp "done"
 [ $fails -eq 0 ]

@@ -37,8 +37,10 @@ class AttnResResidualImpl;
 // move fewer bytes than one-call reads) on CPU, training included, except
 // bf16/fp16 streams under grad mode (their merge backward would take
 // <dh, P - y> from a partial output rounded to 8/11 bits); kTwoPhase for
-// every block on CPU, training included; kOneCall never. CUDA streams
-// always read one-call (no two-phase CUDA kernels yet).
+// every block on CPU, training included; kOneCall never. CUDA streams read
+// two-phase (by the same rules) only while grad mode is off: the two-phase
+// backward ops have no CUDA kernels yet, so with grad mode on they read
+// one-call.
 enum class BlockReads { kAuto, kTwoPhase, kOneCall };
 
 namespace detail {

@@ -1,0 +1,332 @@
+// Device side of the two-phase Block reads' forward (docs/design.md §10):
+// phase 1 (block_reads_fwd_kernel: S readers over the N completed sources,
+// read once from memory) and phase 2 (block_read_merge_kernel: one reader's
+// exact merge with the partial block sum). The per-token formulas are those
+// of attnres/depth_math.h and of the CPU kernels (cpu/block_reads_cpu.cpp),
+// in the same order: sums of the raw row (the range rescue of rows near the
+// dtype's limits by the same power-of-two factors, §8), per-reader online
+// softmax, y_s = sum_i a_{s,i} v_i (kept finite in WideType on rescued
+// tokens), and the fused output norm of the rounded h (§11).
+//
+// Layout (block_read_params.h): one warp a token, lane l owning the packs
+// [(k*32 + l)*VEC, +VEC) of every row, so a lane re-reads only what it
+// wrote itself (h before its norm) and needs no barrier for it. Rows the
+// kernel writes are read back with plain loads (never the read-only path).
+#pragma once
+
+#include "block_read_params.h"
+#include "kernels.cuh"
+
+namespace attnres {
+namespace cuda {
+
+// A pack this kernel may have written (coherent load, not __ldg).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_written(const T* p) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(p);
+}
+
+// Sums of one row over the warp: sums[r] = <u_{s0+r}, c v> for the readers
+// s0 + r < S (0 past S) and sums[R] = sum (c v)^2. c = 1 on the fast path,
+// the rescue factor on a rescued row (exact: a power of two).
+template <int R, typename scalar_t, int VEC, typename acc_t>
+__device__ __forceinline__ void warp_row_sums(const scalar_t* v, const acc_t* u, int s0, int S,
+                                              int D, acc_t c, acc_t (&sums)[R + 1]) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+#pragma unroll
+  for (int r = 0; r <= R; ++r) sums[r] = acc_t(0);
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t xv = static_cast<acc_t>(x.x[e]) * c;
+      sums[R] += xv * xv;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (s0 + r < S) sums[r] += u[static_cast<int64_t>(s0 + r) * D + j + e] * xv;
+      }
+    }
+  }
+  warp_allreduce<32>(sums, 32);
+}
+
+// Sum of squares over the warp of a row this warp wrote (h before its
+// output norm), scaled by c.
+template <typename scalar_t, int VEC, typename acc_t>
+__device__ __forceinline__ acc_t warp_written_sumsq(const scalar_t* h, int D, acc_t c) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  acc_t sq[1] = {acc_t(0)};
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> x = load_written<scalar_t, VEC>(h + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t hv = static_cast<acc_t>(x.x[e]) * c;
+      sq[0] += hv * hv;
+    }
+  }
+  warp_allreduce<32>(sq, 32);
+  return sq[0];
+}
+
+// The fused output norm of one token (docs/design.md §11): h (rounded,
+// written by this warp at `h`, its sum of squares `sumsq`) -> y = (r h) * w
+// into `y` (which may be `h`); returns r. As cpu::row_normed_store.
+template <typename scalar_t, int VEC, typename acc_t>
+__device__ __forceinline__ acc_t warp_normed_store(scalar_t* y, const scalar_t* h, acc_t sumsq,
+                                                   const acc_t* w, acc_t eps, int D) {
+  acc_t r;
+  if (!math::row_needs_rescale(sumsq, acc_t(0), eps)) {
+    r = math::rstd_from_sumsq(sumsq, D, eps);
+  } else {
+    const acc_t c = math::rescale_factor(sumsq);
+    r = math::out_norm_rstd_rescaled(warp_written_sumsq<scalar_t, VEC>(h, D, c), c, D, eps);
+  }
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> x = load_written<scalar_t, VEC>(h + j);
+    Pack<scalar_t, VEC> o;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      o.x[e] = static_cast<scalar_t>((static_cast<acc_t>(x.x[e]) * r) * w[j + e]);
+    }
+    store_global<scalar_t, VEC>(y + j, o);
+  }
+  return r;
+}
+
+// Phase 1's weighted sums for readers s0 .. s0+R-1 of one token: y_s =
+// sum_i a_{s,i} v_i, summed in sum_t (acc_t; WideType and kept finite on a
+// rescued token, as cpu row_average_kept_finite). The rounded row of reader
+// 0 goes to h0 (when s0 == 0) and its sum of squares is returned (for the
+// output norm).
+template <int R, bool kWide, typename scalar_t, int VEC>
+__device__ __forceinline__ at::opmath_type<scalar_t> phase1_weighted_sums(
+    const BlockReadsParams<scalar_t>& p, int64_t t, int s0, scalar_t* h0) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using sum_t = std::conditional_t<kWide, typename math::WideType<acc_t>::type, acc_t>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t T = p.T;
+  acc_t sq0 = acc_t(0);
+  for (int j = lane * VEC; j < p.D; j += 32 * VEC) {
+    sum_t acc[R][VEC];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[r][e] = sum_t(0);
+    }
+    for (int i = 0; i < p.N; ++i) {
+      const scalar_t* v = source_row<scalar_t>(p.table, p.overflow, i, t);
+      const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (s0 + r < p.S) {
+          const sum_t w =
+              static_cast<sum_t>(p.weights[(static_cast<int64_t>(s0 + r) * p.N + i) * T + t]);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            acc[r][e] += w * static_cast<sum_t>(static_cast<acc_t>(x.x[e]));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int s = s0 + r;
+      if (s >= p.S) continue;
+      Pack<scalar_t, VEC> o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        acc_t value;
+        if constexpr (kWide) {
+          value = static_cast<acc_t>(math::keep_finite<acc_t>(acc[r][e]));
+        } else {
+          value = acc[r][e];
+        }
+        o.x[e] = static_cast<scalar_t>(value);
+        if (s == 0) {
+          const acc_t rounded = static_cast<acc_t>(o.x[e]);
+          sq0 += rounded * rounded;
+        }
+      }
+      scalar_t* dst = s == 0 && h0 ? h0 : p.out[s] + t * p.D;
+      store_global<scalar_t, VEC>(dst + j, o);
+    }
+  }
+  return sq0;
+}
+
+// Phase 1 (one launch: readers s of this launch's S, block_read_params.h).
+template <typename scalar_t, int VEC, bool kNorm>
+__global__ void __launch_bounds__(kBlockReadThreads)
+    block_reads_fwd_kernel(const __grid_constant__ BlockReadsParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int R = kReadersPerSweep;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t T = p.T;
+  const int N = p.N, S = p.S, D = p.D;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBlockReadWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
+       t < T; t += warps) {
+    // Sweep 1: rstd_i and the raw <u_s, v_i> of every reader (lane 0 keeps
+    // them in weights until they become scores, then weights).
+    bool rescued = false;
+    for (int i = 0; i < N; ++i) {
+      const scalar_t* v = source_row<scalar_t>(p.table, p.overflow, i, t);
+      acc_t sumsq = acc_t(0);
+      bool need = false;
+      for (int s0 = 0; s0 < S; s0 += R) {
+        acc_t sums[R + 1];
+        warp_row_sums<R, scalar_t, VEC>(v, p.u, s0, S, D, acc_t(1), sums);
+        if (s0 == 0) {
+          sumsq = sums[R];
+          need = math::row_needs_rescale(sumsq, acc_t(0), p.eps);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (s0 + r >= S) continue;
+          need = need || math::row_needs_rescale(sumsq, sums[r], p.eps);
+          if (lane == 0) p.weights[(static_cast<int64_t>(s0 + r) * N + i) * T + t] = sums[r];
+        }
+      }
+      acc_t r_i;
+      if (!need) {
+        r_i = math::rstd_from_sumsq(sumsq, D, p.eps);
+        if (lane == 0) {
+          for (int s = 0; s < S; ++s) {
+            acc_t& w = p.weights[(static_cast<int64_t>(s) * N + i) * T + t];
+            w = math::score(r_i, w);
+          }
+        }
+      } else {
+        // Rare: the sums again of the row scaled by a power of two (§8).
+        rescued = true;
+        const acc_t c = math::rescale_factor(sumsq);
+        acc_t sumsq_c = acc_t(0);
+        for (int s0 = 0; s0 < S; s0 += R) {
+          acc_t sums[R + 1];
+          warp_row_sums<R, scalar_t, VEC>(v, p.u, s0, S, D, c, sums);
+          if (s0 == 0) sumsq_c = sums[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (s0 + r >= S) continue;
+            acc_t score;
+            math::rescaled_stats(sumsq_c, sums[r], c, D, p.eps, r_i, score);
+            if (lane == 0) p.weights[(static_cast<int64_t>(s0 + r) * N + i) * T + t] = score;
+          }
+        }
+      }
+      if (lane == 0) p.rstd[static_cast<int64_t>(i) * T + t] = r_i;
+    }
+    __syncwarp();
+    // Per reader (a lane each): the online softmax over its N scores, its
+    // lse and weights (a NaN score poisons them all).
+    for (int s = lane; s < S; s += 32) {
+      acc_t* w = p.weights + static_cast<int64_t>(s) * N * T + t;
+      math::OnlineSoftmax<acc_t> st;
+      st.init(w[0]);
+      acc_t keep, take;
+      for (int i = 1; i < N; ++i) st.push(w[static_cast<int64_t>(i) * T], keep, take);
+      p.lse[static_cast<int64_t>(s) * T + t] = st.log_sum_exp();
+      const acc_t nan_if_poisoned = st.out_factor();
+      for (int i = 0; i < N; ++i) {
+        acc_t& wi = w[static_cast<int64_t>(i) * T];
+        wi = st.weight(wi) * nan_if_poisoned;
+      }
+    }
+    __syncwarp();
+    // Sweep 2 (from L1/L2): the weighted sums, kReadersPerSweep readers a
+    // sweep; reader 0's h goes to h_keep (or its own row) for the norm.
+    scalar_t* h0 = nullptr;
+    if constexpr (kNorm) h0 = p.h_keep ? p.h_keep + t * D : p.out[0] + t * D;
+    acc_t sq0 = acc_t(0);
+    for (int s0 = 0; s0 < S; s0 += R) {
+      const acc_t sq = rescued ? phase1_weighted_sums<R, true, scalar_t, VEC>(p, t, s0, h0)
+                               : phase1_weighted_sums<R, false, scalar_t, VEC>(p, t, s0, h0);
+      if (s0 == 0) sq0 = sq;
+    }
+    if constexpr (kNorm) {
+      acc_t sq[1] = {sq0};
+      warp_allreduce<32>(sq, 32);
+      const acc_t r = warp_normed_store<scalar_t, VEC>(p.out[0] + t * D, h0, sq[0],
+                                                       p.norm_weight, p.norm_eps, D);
+      if (lane == 0) p.norm_rstd[t] = r;
+    }
+  }
+}
+
+// Phase 2: h = (keep y + take P) f with (keep, take) from init(lse) +
+// push(score of P), as cpu merge_forward_impl; y = RMSNorm(h) w with kNorm.
+template <typename scalar_t, int VEC, bool kNorm>
+__global__ void __launch_bounds__(kBlockReadThreads)
+    block_read_merge_kernel(const __grid_constant__ MergeParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using wide_t = typename math::WideType<acc_t>::type;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int D = p.D;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBlockReadWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
+       t < p.T; t += warps) {
+    const scalar_t* y = p.partial + t * p.partial_stride;
+    const scalar_t* P = p.block_sum + t * p.block_stride;
+    scalar_t* out = p.out + t * D;
+    acc_t sums[2];
+    warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, acc_t(1), sums);
+    const bool rescued = math::row_needs_rescale(sums[1], acc_t(0), p.eps) ||
+                         math::row_needs_rescale(sums[1], sums[0], p.eps);
+    acc_t r, s;
+    if (!rescued) {
+      r = math::rstd_from_sumsq(sums[1], D, p.eps);
+      s = math::score(r, sums[0]);
+    } else {
+      const acc_t c = math::rescale_factor(sums[1]);
+      warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, c, sums);
+      math::rescaled_stats(sums[1], sums[0], c, D, p.eps, r, s);
+    }
+    math::OnlineSoftmax<acc_t> st;
+    st.init(p.lse[t]);
+    acc_t keep, take;
+    st.push(s, keep, take);
+    const acc_t f = st.out_factor();
+    if (lane == 0) {
+      p.rstd[t] = r;
+      p.weight[t] = take;
+    }
+    // h (rounded) goes to out, or to h_keep with the norm; y's pack is
+    // read before the store that may overwrite it (in place).
+    scalar_t* h_dst = kNorm && p.h_keep ? p.h_keep + t * D : out;
+    acc_t sq[1] = {acc_t(0)};
+    for (int j = lane * VEC; j < D; j += 32 * VEC) {
+      const Pack<scalar_t, VEC> yv = load_written<scalar_t, VEC>(y + j);
+      const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+      Pack<scalar_t, VEC> o;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        acc_t h;
+        if (!rescued) {
+          h = math::online_accumulate(static_cast<acc_t>(yv.x[e]), keep, take,
+                                      static_cast<acc_t>(pv.x[e]));
+        } else {
+          wide_t sum = wide_t(0);
+          sum += static_cast<wide_t>(keep) * static_cast<wide_t>(static_cast<acc_t>(yv.x[e]));
+          sum += static_cast<wide_t>(take) * static_cast<wide_t>(static_cast<acc_t>(pv.x[e]));
+          h = static_cast<acc_t>(math::keep_finite<acc_t>(sum));
+        }
+        o.x[e] = static_cast<scalar_t>(h * f);
+        if constexpr (kNorm) {
+          const acc_t rounded = static_cast<acc_t>(o.x[e]);
+          sq[0] += rounded * rounded;
+        }
+      }
+      store_global<scalar_t, VEC>(h_dst + j, o);
+    }
+    if constexpr (kNorm) {
+      warp_allreduce<32>(sq, 32);
+      const acc_t nr =
+          warp_normed_store<scalar_t, VEC>(out, h_dst, sq[0], p.norm_weight, p.norm_eps, D);
+      if (lane == 0) p.norm_rstd[t] = nr;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace attnres

@@ -1,0 +1,168 @@
+// Parameter blocks and launch shape of the two-phase Block read kernels
+// (block_kernels.cuh; docs/design.md §10). Plain host C++, like
+// kernel_params.h: the CUDA host code (block_reads_cuda.cu) and the CPU
+// emulation (tests/cuda_emulation/emulate_block_kernels.cpp) both use it.
+//
+// One warp reads one token (grid-stride over tokens), each lane a strided
+// share of the row in packs of VEC elements; the sums of a row are warp
+// shuffles. Nothing is staged: a row's second sweep comes from L1/L2.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernel_params.h"  // SourceTableLayout
+#include "launch.h"
+#include "plan.h"
+
+namespace attnres {
+namespace cuda {
+
+constexpr int kBlockReadWarps = 4;  // tokens a CTA of 128 threads
+constexpr int kBlockReadThreads = 32 * kBlockReadWarps;
+// Readers whose sums one sweep of a row keeps in registers (phase 1 sweeps
+// a row ceil(S / kReadersPerSweep) times; the later sweeps hit L1/L2).
+constexpr int kReadersPerSweep = 4;
+// Readers one phase-1 launch writes (their output pointers travel in the
+// parameters); more readers take more launches, each re-reading the sources.
+constexpr int kReadersPerLaunch = 16;
+
+// Phase 1 for readers [s_begin, s_begin + S) of the block's S_total.
+template <typename scalar_t>
+struct BlockReadsParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  SourceTable table;
+  const SourceEntry* overflow;    // sources kTableCapacity.. (device memory)
+  const acc_t* u;                 // [S, D]: this launch's readers' rows
+  scalar_t* out[kReadersPerLaunch];  // [T, D] contiguous each
+  acc_t* lse;                     // [S, T] (this launch's rows)
+  acc_t* rstd;                    // [N, T]
+  acc_t* weights;                 // [S, N, T]: scores first, then weights
+  // Reader 0's fused output norm (docs/design.md §11), in the launch that
+  // holds reader 0: out[0] gets y_0 and h_keep (when set) h_0.
+  const acc_t* norm_weight;  // [D], or null: no output norm
+  acc_t* norm_rstd;          // [T]
+  scalar_t* h_keep;          // [T, D], or null
+  int64_t T;
+  int N, S, D;
+  acc_t eps, norm_eps;
+};
+
+// Phase 2: one reader's merge of its phase-1 state with the block sum.
+template <typename scalar_t>
+struct MergeParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* partial;  // rows partial_stride apart
+  const scalar_t* block_sum;
+  int64_t partial_stride, block_stride;
+  const acc_t* lse;  // [T]
+  const acc_t* u;    // [D]
+  scalar_t* out;     // [T, D] contiguous; may be partial itself (in place)
+  acc_t* rstd;       // [T]
+  acc_t* weight;     // [T]: the block sum's weight
+  const acc_t* norm_weight;  // [D], or null: no output norm
+  acc_t* norm_rstd;          // [T]
+  scalar_t* h_keep;          // [T, D], or null
+  int64_t T;
+  int D;
+  acc_t eps, norm_eps;
+};
+
+static_assert(sizeof(BlockReadsParams<double>) <= 4096 && sizeof(MergeParams<double>) <= 4096,
+              "block read kernel parameters exceed 4 KiB");
+
+// 16-byte packs when D is a whole number of them and every row start is
+// 16-byte aligned (rows_aligned of each row tensor), else one element.
+inline int block_read_vec(bool rows_vector_aligned, int64_t D, int natural) {
+  return rows_vector_aligned && D % natural == 0 ? natural : 1;
+}
+
+// A warp a token; a grid of a few waves of resident CTAs (resident_ctas <=
+// 0: unknown) looping over the tokens.
+inline int64_t block_read_grid(int64_t T, int64_t resident_ctas) {
+  const int64_t needed = (T + kBlockReadWarps - 1) / kBlockReadWarps;
+  const int64_t cap = resident_ctas > 0 ? 4 * resident_ctas : needed;
+  return std::max<int64_t>(1, std::min(needed, cap));
+}
+
+// Phase 1's parameters for readers [s_begin, s_begin + kReadersPerLaunch)
+// of S_total (fewer in the last launch): outs[s] is reader s's output (S_total
+// of them), u [S_total, D], lse [S_total, T], weights [S_total, N, T].
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+BlockReadsParams<scalar_t> block_reads_params(const SourceTableLayout& layout,
+                                              const SourceEntry* overflow, const acc_t* u,
+                                              scalar_t* const* outs, acc_t* lse, acc_t* rstd,
+                                              acc_t* weights, int64_t T, int N, int S_total,
+                                              int D, acc_t eps, int s_begin) {
+  BlockReadsParams<scalar_t> p{};
+  p.table = layout.table;
+  p.overflow = overflow;
+  const int S = std::min(kReadersPerLaunch, S_total - s_begin);
+  p.u = u + static_cast<int64_t>(s_begin) * D;
+  for (int s = 0; s < S; ++s) p.out[s] = outs[s_begin + s];
+  p.lse = lse + static_cast<int64_t>(s_begin) * T;
+  p.rstd = rstd;
+  p.weights = weights + static_cast<int64_t>(s_begin) * N * T;
+  p.T = T;
+  p.N = N;
+  p.S = S;
+  p.D = D;
+  p.eps = eps;
+  return p;
+}
+
+// Reader 0's output norm (only in the launch with s_begin == 0).
+template <typename Params, typename scalar_t, typename acc_t>
+void set_block_read_norm(Params& p, const acc_t* weight, acc_t* rstd, scalar_t* h_keep,
+                         acc_t eps) {
+  p.norm_weight = weight;
+  p.norm_rstd = rstd;
+  p.h_keep = h_keep;
+  p.norm_eps = eps;
+}
+
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+MergeParams<scalar_t> merge_params(const scalar_t* partial, int64_t partial_stride,
+                                   const scalar_t* block_sum, int64_t block_stride,
+                                   const acc_t* lse, const acc_t* u, scalar_t* out, acc_t* rstd,
+                                   acc_t* weight, int64_t T, int D, acc_t eps) {
+  MergeParams<scalar_t> p{};
+  p.partial = partial;
+  p.partial_stride = partial_stride;
+  p.block_sum = block_sum;
+  p.block_stride = block_stride;
+  p.lse = lse;
+  p.u = u;
+  p.out = out;
+  p.rstd = rstd;
+  p.weight = weight;
+  p.T = T;
+  p.D = D;
+  p.eps = eps;
+  return p;
+}
+
+// Whether phase 1 can take 16-byte packs: the sources (layout) and every
+// row it writes.
+template <typename scalar_t>
+bool block_reads_rows_aligned(const SourceTableLayout& layout, scalar_t* const* outs, int S,
+                              const scalar_t* h_keep, int64_t T, int D, int natural) {
+  const size_t es = sizeof(scalar_t);
+  bool aligned = layout.vector_aligned && (!h_keep || rows_aligned(h_keep, D, T, natural, es));
+  for (int s = 0; s < S; ++s) aligned = aligned && rows_aligned(outs[s], D, T, natural, es);
+  return aligned;
+}
+
+// Whether a merge can take 16-byte packs: every row it reads or writes.
+template <typename scalar_t>
+bool merge_rows_aligned(const MergeParams<scalar_t>& p, int natural) {
+  const size_t es = sizeof(scalar_t);
+  return rows_aligned(p.partial, p.partial_stride, p.T, natural, es) &&
+         rows_aligned(p.block_sum, p.block_stride, p.T, natural, es) &&
+         rows_aligned(p.out, p.D, p.T, natural, es) &&
+         (!p.h_keep || rows_aligned(p.h_keep, p.D, p.T, natural, es));
+}
+
+}  // namespace cuda
+}  // namespace attnres

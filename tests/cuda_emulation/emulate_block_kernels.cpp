@@ -1,0 +1,332 @@
+// Runs the CUDA kernels of the two-phase Block reads (csrc/cuda/block_kernels.cuh)
+// on the CPU (cuda_runtime.h here), with the parameter blocks of
+// csrc/cuda/block_read_params.h (the CUDA host code's own set-up), and checks
+// every output against a long double evaluation of the formulas (docs/design.md
+// §10, §11): phase 1 for S readers (several launches past kReadersPerLaunch),
+// phase 2 out of place and in place, each plain and with the fused output
+// norm, strided and misaligned rows (the one-element path), the grid-stride
+// token loop, the source table's overflow, and rows near the dtype's limits
+// (the range rescue, §8). Built and run by tests/python/test_cuda_emulation.py.
+// Exit status 0 when every case passes.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "block_kernels.cuh"
+#include "block_read_params.h"
+#include "emulation_common.h"
+
+using namespace attnres::cuda;
+using namespace emulation;
+
+namespace {
+
+using ld = long double;
+
+struct Case {
+  int N, S, D;
+  int64_t T;
+  int extra_stride = 0;     // source and block-sum rows D + extra_stride apart
+  bool misaligned = false;  // sources start one element past an aligned address
+  int64_t grid = 0;         // CTAs (0: one a warp's worth of tokens)
+  bool norm = false;        // reader 0 (phase 1) / the reader (phase 2) normed
+  bool keep_h = true;
+  double magnitude = 0;     // > 0: values uniform in +-magnitude (the range rescue)
+  double eps = 1e-6;
+  // Every row +magnitude in even columns, -magnitude in odd ones: equal
+  // scores, weights that sum to 1 only up to rounding; at the dtype's
+  // maximum the reads must stay finite (the wide, clamped sums, §8).
+  bool at_magnitude = false;
+};
+
+template <typename scalar_t>
+std::vector<double> as_double(const std::vector<scalar_t>& v) {
+  std::vector<double> d(v.size());
+  for (size_t k = 0; k < v.size(); ++k) d[k] = static_cast<double>(v[k]);
+  return d;
+}
+
+// Reference of one read: rstd and scores of `rows` for query u, the softmax
+// (as lse and weights) and h = sum a_i v_i, all in long double.
+struct RefRead {
+  std::vector<ld> rstd, weights, h;
+  ld lse;
+};
+
+template <typename acc_t>
+RefRead ref_read(const std::vector<std::vector<ld>>& rows, const acc_t* u, int D, double eps) {
+  RefRead r;
+  const size_t n = rows.size();
+  std::vector<ld> score(n);
+  ld m = -INFINITY;
+  for (size_t i = 0; i < n; ++i) {
+    ld sq = 0, dot = 0;
+    for (int j = 0; j < D; ++j) {
+      sq += rows[i][j] * rows[i][j];
+      dot += static_cast<ld>(u[j]) * rows[i][j];
+    }
+    r.rstd.push_back(1 / std::sqrt(sq / D + static_cast<ld>(static_cast<acc_t>(eps))));
+    score[i] = r.rstd[i] * dot;
+    m = std::max(m, score[i]);
+  }
+  ld l = 0;
+  for (size_t i = 0; i < n; ++i) l += std::exp(score[i] - m);
+  r.lse = m + std::log(l);
+  r.h.assign(D, 0);
+  for (size_t i = 0; i < n; ++i) {
+    r.weights.push_back(std::exp(score[i] - m) / l);
+    for (int j = 0; j < D; ++j) r.h[j] += r.weights[i] * rows[i][j];
+  }
+  return r;
+}
+
+// y = (r h) w of the rounded h (scalar_t), as the kernels' norm reads it.
+template <typename scalar_t, typename acc_t>
+std::vector<ld> ref_norm(const std::vector<ld>& h, const acc_t* w, int D, double eps, ld& r) {
+  std::vector<ld> hr(D);
+  ld sq = 0;
+  for (int j = 0; j < D; ++j) {
+    hr[j] = static_cast<ld>(static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(h[j]))));
+    sq += hr[j] * hr[j];
+  }
+  r = 1 / std::sqrt(sq / D + static_cast<ld>(static_cast<acc_t>(eps)));
+  std::vector<ld> y(D);
+  for (int j = 0; j < D; ++j) y[j] = hr[j] * r * static_cast<ld>(w[j]);
+  return y;
+}
+
+std::vector<double> to_double(const std::vector<ld>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+struct Checker {
+  Tolerance tol;
+  int failures = 0;
+  void check(const std::string& what, const char* name, double err, double limit) {
+    const bool ok = err <= limit;
+    failures += ok ? 0 : 1;
+    std::printf("%s %s %s: rel err %.3g (limit %.3g)\n", ok ? "ok  " : "FAIL", what.c_str(), name,
+                err, limit);
+  }
+};
+
+template <typename scalar_t>
+void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int natural = natural_vec<scalar_t>();
+  const int N = c.N, S = c.S, D = c.D;
+  const int64_t T = c.T;
+  const int64_t stride = D + c.extra_stride;
+  const int offset = c.misaligned ? 1 : 0;
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  auto draw = [&](int i) {
+    return c.magnitude > 0 ? uniform(rng) * c.magnitude : normal(rng) * (1 + i % 3);
+  };
+  // N completed sources and the partial block sum (source N), rounded.
+  const size_t src_len = offset + T * stride + natural;
+  std::vector<std::vector<scalar_t>> src(N + 1, std::vector<scalar_t>(src_len));
+  for (int i = 0; i <= N; ++i) {
+    for (auto& x : src[i]) x = static_cast<scalar_t>(draw(i));
+    if (c.at_magnitude) {
+      for (int64_t k = 0; k < static_cast<int64_t>(src[i].size()); ++k) {
+        const int64_t col = (k - offset) % stride;
+        src[i][k] = static_cast<scalar_t>(col % 2 == 0 ? c.magnitude : -c.magnitude);
+      }
+    }
+  }
+  auto row = [&](int i, int64_t t) {
+    std::vector<ld> r(D);
+    for (int j = 0; j < D; ++j) {
+      r[j] = static_cast<ld>(static_cast<acc_t>(src[i][offset + t * stride + j]));
+    }
+    return r;
+  };
+  std::vector<acc_t> u(static_cast<size_t>(S) * D), w_out(D);
+  for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
+  for (auto& x : w_out) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
+
+  // ---- phase 1 ----
+  std::vector<SourceEntry> entries(N);
+  for (int i = 0; i < N; ++i) entries[i] = {src[i].data() + offset, stride, nullptr};
+  const SourceTableLayout layout = layout_sources(entries, T, natural, sizeof(scalar_t));
+  const scalar_t nan = static_cast<scalar_t>(NAN);
+  std::vector<std::vector<scalar_t>> outs(S, std::vector<scalar_t>(T * D, nan));
+  std::vector<scalar_t*> out_ptrs(S);
+  for (int s = 0; s < S; ++s) out_ptrs[s] = outs[s].data();
+  std::vector<acc_t> lse(S * T), rstd(N * T), weights(static_cast<size_t>(S) * N * T);
+  std::vector<acc_t> norm_rstd(T, static_cast<acc_t>(NAN));
+  std::vector<scalar_t> h_keep(c.norm && c.keep_h ? T * D : 0, static_cast<scalar_t>(NAN));
+  scalar_t* h_keep_p = h_keep.empty() ? nullptr : h_keep.data();
+  const bool aligned1 =
+      block_reads_rows_aligned<scalar_t>(layout, out_ptrs.data(), S, h_keep_p, T, D, natural);
+  const int vec1 = block_read_vec(aligned1, D, natural);
+  const int64_t grid = c.grid > 0 ? c.grid : block_read_grid(T, 0);
+  for (int s_begin = 0; s_begin < S; s_begin += kReadersPerLaunch) {
+    BlockReadsParams<scalar_t> p = block_reads_params<scalar_t>(
+        layout, layout.overflow.data(), u.data(), out_ptrs.data(), lse.data(), rstd.data(),
+        weights.data(), T, N, S, D, static_cast<acc_t>(c.eps), s_begin);
+    const bool with_norm = c.norm && s_begin == 0;
+    if (with_norm) {
+      set_block_read_norm(p, w_out.data(), norm_rstd.data(), h_keep_p, static_cast<acc_t>(1e-5));
+    }
+    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+      if (vec1 == natural) {
+        with_norm ? block_reads_fwd_kernel<scalar_t, natural, true>(p)
+                  : block_reads_fwd_kernel<scalar_t, natural, false>(p);
+      } else {
+        with_norm ? block_reads_fwd_kernel<scalar_t, 1, true>(p)
+                  : block_reads_fwd_kernel<scalar_t, 1, false>(p);
+      }
+    });
+  }
+  // Reference, per token.
+  std::vector<ld> ref_out(static_cast<size_t>(S) * T * D), ref_lse(S * T), ref_rstd(N * T),
+      ref_w(static_cast<size_t>(S) * N * T), ref_h0(c.norm ? T * D : 0), ref_nr(c.norm ? T : 0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<ld>> rows(N);
+    for (int i = 0; i < N; ++i) rows[i] = row(i, t);
+    for (int s = 0; s < S; ++s) {
+      const RefRead r = ref_read(rows, u.data() + static_cast<size_t>(s) * D, D, c.eps);
+      ref_lse[s * T + t] = r.lse;
+      for (int i = 0; i < N; ++i) {
+        ref_w[(static_cast<int64_t>(s) * N + i) * T + t] = r.weights[i];
+        if (s == 0) ref_rstd[i * T + t] = r.rstd[i];
+      }
+      std::vector<ld> y = r.h;
+      if (c.norm && s == 0) {
+        for (int j = 0; j < D; ++j) ref_h0[t * D + j] = r.h[j];
+        y = ref_norm<scalar_t>(r.h, w_out.data(), D, 1e-5, ref_nr[t]);
+      }
+      for (int j = 0; j < D; ++j) ref_out[(static_cast<int64_t>(s) * T + t) * D + j] = y[j];
+    }
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s phase1 N=%d S=%d D=%d T=%ld vec=%d%s%s%s%s",
+                dtype_name<scalar_t>(), N, S, D, long(T), vec1, c.norm ? " norm" : "",
+                c.norm && c.keep_h ? "+h" : "",
+                c.at_magnitude ? " at max" : c.magnitude > 0 ? " range" : "",
+                layout.overflow.empty() ? "" : " overflow");
+  std::vector<double> got_out;
+  for (const auto& o : outs) {
+    const auto d = as_double(o);
+    got_out.insert(got_out.end(), d.begin(), d.end());
+  }
+  chk.check(buf, "partial outs", rel_err(got_out, to_double(ref_out)), chk.tol.output);
+  chk.check(buf, "lse", rel_err(as_double(lse), to_double(ref_lse)), chk.tol.stats);
+  chk.check(buf, "rstd", rel_err(as_double(rstd), to_double(ref_rstd)), chk.tol.stats);
+  chk.check(buf, "weights", rel_err(as_double(weights), to_double(ref_w)), chk.tol.stats);
+  if (c.norm) {
+    chk.check(buf, "out rstd", rel_err(as_double(norm_rstd), to_double(ref_nr)), chk.tol.stats);
+    if (c.keep_h) {
+      chk.check(buf, "h_0", rel_err(as_double(h_keep), to_double(ref_h0)), chk.tol.output);
+    }
+  }
+
+  // ---- phase 2: reader 1 (or 0) merges the block sum (source N), from the
+  // kernel's own phase-1 output and lse, out of place and in place ----
+  const int reader = S > 1 ? 1 : 0;
+  if (c.norm && reader == 0) return;  // reader 0's output is y_0, not a partial h
+  std::vector<ld> ref_h(T * D), ref_y(c.norm ? T * D : 0), ref_r(T), ref_take(T);
+  std::vector<ld> ref_mr(c.norm ? T : 0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<ld>> rows(N + 1);
+    for (int i = 0; i <= N; ++i) rows[i] = row(i, t);
+    const RefRead r = ref_read(rows, u.data() + static_cast<size_t>(reader) * D, D, c.eps);
+    ref_r[t] = r.rstd[N];
+    ref_take[t] = r.weights[N];
+    for (int j = 0; j < D; ++j) ref_h[t * D + j] = r.h[j];
+    if (c.norm) {
+      const std::vector<ld> y = ref_norm<scalar_t>(r.h, w_out.data(), D, 1e-5, ref_mr[t]);
+      for (int j = 0; j < D; ++j) ref_y[t * D + j] = y[j];
+    }
+  }
+  for (const bool in_place : {false, true}) {
+    if (in_place && c.norm && c.keep_h) continue;  // the in-place op keeps no h
+    std::vector<scalar_t> partial = outs[reader];
+    std::vector<scalar_t> out_buf(T * D, static_cast<scalar_t>(NAN));
+    std::vector<scalar_t> h2(c.norm && c.keep_h ? T * D : 0, static_cast<scalar_t>(NAN));
+    std::vector<acc_t> r2(T), take2(T), nr2(T, static_cast<acc_t>(NAN));
+    scalar_t* out_p = in_place ? partial.data() : out_buf.data();
+    MergeParams<scalar_t> p = merge_params<scalar_t>(
+        partial.data(), D, src[N].data() + offset, stride, lse.data() + reader * T,
+        u.data() + static_cast<size_t>(reader) * D, out_p, r2.data(), take2.data(), T, D,
+        static_cast<acc_t>(c.eps));
+    if (c.norm) {
+      set_block_read_norm(p, w_out.data(), nr2.data(), h2.empty() ? nullptr : h2.data(),
+                          static_cast<acc_t>(1e-5));
+    }
+    const int vec2 = block_read_vec(merge_rows_aligned(p, natural), D, natural);
+    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+      if (vec2 == natural) {
+        c.norm ? block_read_merge_kernel<scalar_t, natural, true>(p)
+               : block_read_merge_kernel<scalar_t, natural, false>(p);
+      } else {
+        c.norm ? block_read_merge_kernel<scalar_t, 1, true>(p)
+               : block_read_merge_kernel<scalar_t, 1, false>(p);
+      }
+    });
+    char what[240];
+    std::snprintf(what, sizeof what, "%s merge%s vec=%d", buf, in_place ? " in place" : "", vec2);
+    const std::vector<scalar_t>& got = in_place ? partial : out_buf;
+    chk.check(what, c.norm ? "y" : "h", rel_err(as_double(got), to_double(c.norm ? ref_y : ref_h)),
+              chk.tol.output);
+    chk.check(what, "rstd", rel_err(as_double(r2), to_double(ref_r)), chk.tol.stats);
+    chk.check(what, "weight", rel_err(as_double(take2), to_double(ref_take)), chk.tol.stats);
+    if (c.norm) {
+      // The norm's rstd is a function of h, which reaches phase 2 through
+      // phase 1's rounded partial output: h's (output) tolerance.
+      chk.check(what, "out rstd", rel_err(as_double(nr2), to_double(ref_mr)), chk.tol.output);
+      if (!h2.empty()) {
+        chk.check(what, "h", rel_err(as_double(h2), to_double(ref_h)), chk.tol.output);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+int run_dtype(std::mt19937_64& rng) {
+  Checker chk{read_tolerance(dtype_name<scalar_t>())};
+  std::vector<Case> cases = {
+      {1, 1, 64, 5},                                   // one source, one reader
+      {3, 4, 1000, 7},                                 // D = 1000, 4 readers (one sweep)
+      {5, 6, 72, 9, 8},                                // two reader sweeps; strided rows
+      {4, 3, 70, 6, 0, true},                          // misaligned: one element a lane
+      {2, 2, 33, 11, 0, false, 1},                     // one CTA: the grid-stride loop
+      {3, 5, 96, 5, 0, false, 0, true, true},          // norm, h kept
+      {3, 2, 80, 5, 4, false, 0, true, false},         // norm, h not kept; strided
+      {2, 18, 40, 3},                                  // two phase-1 launches (> 16 readers)
+      {67, 2, 24, 3},                                  // 67 sources: the table's overflow
+  };
+  if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
+    // Rows whose sum of squares overflows the accumulation type (the range
+    // rescue, §8); fp16's range cannot reach it.
+    const double big = std::is_same_v<scalar_t, double> ? 1e300 : 1e36;
+    cases.push_back({3, 3, 64, 4, 0, false, 0, false, true, big});
+    cases.push_back({3, 3, 64, 4, 0, false, 0, true, true, big});
+    const double max = static_cast<double>(std::numeric_limits<scalar_t>::max());
+    cases.push_back({18, 2, 64, 3, 0, false, 0, false, true, max, 1e-6, true});
+  }
+  for (const Case& c : cases) run_case<scalar_t>(c, rng, chk);
+  return chk.failures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string only = argc > 1 ? argv[1] : "";
+  std::mt19937_64 rng(2026);
+  int failures = 0;
+  if (only.empty() || only == "float64") failures += run_dtype<double>(rng);
+  if (only.empty() || only == "float32") failures += run_dtype<float>(rng);
+  if (only.empty() || only == "bfloat16") failures += run_dtype<c10::BFloat16>(rng);
+  if (only.empty() || only == "float16") failures += run_dtype<c10::Half>(rng);
+  std::printf("%d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
