@@ -8,7 +8,8 @@
 #   2. peers' warm-up in the background on the idle GPU while 3 builds
 #      (Triton compiles + FLA's autotuning, cached on disk by Triton);
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
-#      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops);
+#      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops, the
+#      two-phase Block reads' forward);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
@@ -168,6 +169,7 @@ run_all() {
   echo "== smoke check: $DEV vs CPU kernels, forward and backward ($(elapsed) s)"
   timeout "$SMOKE_S" python3 - <<'PY'
 import os, torch, attnres
+from attnres.ops import block_read_merge_inplace
 DEV = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 bad = 0
 # The last two shapes take the forward's cp.async ring (plan_forward) with
@@ -208,6 +210,22 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         ok = max(errs) <= 2 * tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"normed: max rel err {max(errs):.2g}")
+        # The two-phase Block reads' forward (docs/design.md §10): phase 1 of
+        # 3 readers (reader 0 normed), then reader 1's and 2's merges with a
+        # block sum (out of place, in place), CUDA vs CPU, under no_grad.
+        outs = []
+        for dev in ("cpu", DEV):
+            s_ = [s.to(dev) for s in src]
+            qs = torch.stack([q, 0.5 * q, -q]).to(dev)
+            with torch.no_grad():
+                parts, lse = attnres.block_reads(s_, qs, None, eps=1e-6, out_weight=ow.to(dev))
+                h1 = attnres.block_read_merge(parts[1], lse[1], dh.to(dev), qs[1])
+                h2 = block_read_merge_inplace(parts[2].clone(), lse[2], dh.to(dev), qs[2])
+            outs.append([*parts, lse, h1, h2])
+        errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
+        ok = max(errs) <= 2 * tol
+        bad += not ok
+        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"block reads: max rel err {max(errs):.2g}")
 print(f"smoke check: {bad} failure(s)")
 PY
   echo "smoke rc=$?"
@@ -417,6 +435,7 @@ sanitize_stage() {
   local script="$RESULTS/sanitize_shapes.py"
   cat > "$script" <<'PY'
 import os, torch, attnres
+from attnres.ops import block_read_merge_inplace
 dev = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 cases = [  # dtype, N, T, D, layout
     (torch.float32, 3, 33, 64, "contiguous"),    # sub-warp groups, single-pass backward
@@ -474,6 +493,14 @@ for dtype, n, t, d, layout in cases:
     torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, False)
     for want_ow in (True, False):
         torch.ops.attnres.depth_attention_normed_bwd(y, None, x, q.detach(), w.detach(), ow, hk, r, a, ro, 1.0, [True] * (n + 2) + [want_ow])
+    # The two-phase Block reads' forward kernels: phase 1 of 3 readers
+    # (reader 0 normed, h kept), phase 2 out of place and in place (normed).
+    qs = torch.stack([q.detach(), 0.5 * q.detach(), -q.detach()])
+    with torch.no_grad():
+        torch.ops.attnres.block_reads_normed_fwd(x, qs, None, ow, 1e-6, 1.0, 1e-5, True)
+        parts, lse = attnres.block_reads(x, qs, None)
+        attnres.block_read_merge(parts[1], lse[1], x[0], qs[1], out_weight=ow)
+        block_read_merge_inplace(parts[2], lse[2], x[0], qs[2])
     if dev == "cuda":
         torch.cuda.synchronize()
     print("ran", dtype, n, t, d, layout, flush=True)
