@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -785,6 +786,28 @@ TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
   EXPECT_EQ(attnres::DepthStream(emb, 2).block_reads(), attnres::BlockReads::kAuto);
   EXPECT_EQ(attnres::DepthStream(emb, 2, attnres::BlockReads::kOneCall).block_reads(),
             attnres::BlockReads::kOneCall);
+}
+
+// CUDA has the two-phase forward kernels only: with grad mode off a CUDA
+// stream reads two-phase (same result as one-call); with it on, one-call
+// (its reads record the one-call op and train).
+TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseOnlyWithGradModeOff) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device (none visible)";
+  at::manual_seed(9);
+  TinyNet net(3);
+  net->to(at::kCUDA);
+  const at::Tensor emb = at::randn({2, 5, kD}, at::TensorOptions(at::kDouble).device(at::kCUDA));
+  {
+    torch::NoGradGuard no_grad;
+    net->block_reads = attnres::BlockReads::kOneCall;
+    const at::Tensor want = net(emb);
+    net->block_reads = attnres::BlockReads::kTwoPhase;
+    expect_close(net(emb).cpu(), want.cpu(), kOutputTol, "CUDA two-phase inference");
+  }
+  const at::Tensor out = net(emb);
+  EXPECT_THAT(out.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+  out.sum().backward();
+  EXPECT_TRUE(net->reads[0]->query.grad().defined());
 }
 
 // ---- training --------------------------------------------------------------------
