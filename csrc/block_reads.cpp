@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
@@ -124,6 +126,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_bloc
     const std::optional<at::Tensor>& norm_weights, double eps, double scale) {
   const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(sources[0].device());
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
@@ -147,6 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_fwd(
     const std::optional<at::Tensor>& norm_weight, double eps, double scale) {
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(block_sum.device());
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
   at::Tensor out = detail::empty_cached(block_sum.sizes(), block_sum.options());
@@ -171,7 +177,10 @@ void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& p
                     "into it)");
   TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
                     "partial_out and block_sum must be different tensors");
+  at::assert_no_overlap(partial_out, block_sum);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(block_sum.device());
   if (p.T == 0) return;
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
@@ -193,6 +202,8 @@ BlockReadsNormedForward run_block_reads_normed_fwd(const BlockReadKernels& k,
   const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, eps, scale);
   check_out_norm_args(out_weight, out_eps, sources, p);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(sources[0].device());
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
@@ -222,6 +233,8 @@ MergeNormedForward run_block_read_merge_normed_fwd(
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   check_out_norm_args(out_weight, out_eps, {block_sum}, p);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(block_sum.device());
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor out = detail::empty_cached(block_sum.sizes(), rows);
@@ -256,7 +269,10 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
                     "written into it)");
   TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
                     "partial_out and block_sum must be different tensors");
+  at::assert_no_overlap(partial_out, block_sum);
   if (k.check_device) k.check_device();
+  // The kernels run on the current device and its stream: the sources'.
+  const c10::DeviceGuard guard(block_sum.device());
   if (p.T == 0) return;
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
@@ -267,8 +283,8 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
   at::Tensor no_h;
   const OutNormForward norm{w, out_eps, out_rstd, no_h};
   const at::Tensor lse_c = lse.contiguous();
-  // The kernel has a token's h row in an L1 buffer before it writes y, so
-  // y may overwrite the partial output it was read from.
+  // The kernels read a token's packs of y (and of h, written first) before
+  // they store y over them, so y may overwrite the partial output.
   at::Tensor out = partial_out;
   k.merge_forward(
       {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});

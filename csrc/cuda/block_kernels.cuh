@@ -155,7 +155,21 @@ __device__ __forceinline__ at::opmath_type<scalar_t> phase1_weighted_sums(
   return sq0;
 }
 
+// The rescued tokens' sums (wide, kept finite): out of line, so that their
+// registers do not join the common path's allocation (as kernels.cuh's rare
+// paths).
+template <int R, typename scalar_t, int VEC>
+__device__ ATTNRES_NOINLINE at::opmath_type<scalar_t> phase1_weighted_sums_wide(
+    const BlockReadsParams<scalar_t>& p, int64_t t, int s0, scalar_t* h0) {
+  return phase1_weighted_sums<R, true, scalar_t, VEC>(p, t, s0, h0);
+}
+
 // Phase 1 (one launch: readers s of this launch's S, block_read_params.h).
+// A row takes the rescue when its sums over this launch's readers need it
+// (the CPU looks at all S readers at once: with more than kReadersPerLaunch
+// readers a row whose <u, v> overflows for one reader only, i.e. a query
+// out of range, can take it in one launch and not another; its rstd is the
+// same either way).
 template <typename scalar_t, int VEC, bool kNorm>
 __global__ void __launch_bounds__(kBlockReadThreads)
     block_reads_fwd_kernel(const __grid_constant__ BlockReadsParams<scalar_t> p) {
@@ -240,7 +254,7 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     if constexpr (kNorm) h0 = p.h_keep ? p.h_keep + t * D : p.out[0] + t * D;
     acc_t sq0 = acc_t(0);
     for (int s0 = 0; s0 < S; s0 += R) {
-      const acc_t sq = rescued ? phase1_weighted_sums<R, true, scalar_t, VEC>(p, t, s0, h0)
+      const acc_t sq = rescued ? phase1_weighted_sums_wide<R, scalar_t, VEC>(p, t, s0, h0)
                                : phase1_weighted_sums<R, false, scalar_t, VEC>(p, t, s0, h0);
       if (s0 == 0) sq0 = sq;
     }

@@ -143,6 +143,24 @@ MergeParams<scalar_t> merge_params(const scalar_t* partial, int64_t partial_stri
   return p;
 }
 
+// Phase 1's launches, one a kReadersPerLaunch readers, reader 0's output
+// norm (when norm_weight is set) in the first: launch(params, with_norm)
+// runs one (block_reads_cuda.cu on the GPU, the emulation on the CPU).
+template <typename scalar_t, typename Launch, typename acc_t = at::opmath_type<scalar_t>>
+void for_each_block_reads_launch(const SourceTableLayout& layout, const SourceEntry* overflow,
+                                 const acc_t* u, scalar_t* const* outs, acc_t* lse, acc_t* rstd,
+                                 acc_t* weights, int64_t T, int N, int S, int D, acc_t eps,
+                                 const acc_t* norm_weight, acc_t* norm_rstd, scalar_t* h_keep,
+                                 acc_t norm_eps, Launch&& launch) {
+  for (int s_begin = 0; s_begin < S; s_begin += kReadersPerLaunch) {
+    BlockReadsParams<scalar_t> p = block_reads_params<scalar_t>(
+        layout, overflow, u, outs, lse, rstd, weights, T, N, S, D, eps, s_begin);
+    const bool with_norm = norm_weight != nullptr && s_begin == 0;
+    if (with_norm) set_block_read_norm(p, norm_weight, norm_rstd, h_keep, norm_eps);
+    launch(p, with_norm);
+  }
+}
+
 // Whether phase 1 can take 16-byte packs: the sources (layout) and every
 // row it writes.
 template <typename scalar_t>

@@ -44,8 +44,8 @@ void launch_merge(const MergeParams<scalar_t>& p, int64_t grid, cudaStream_t str
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Phase 1: one launch a kReadersPerLaunch readers (each launch reads the
-// sources; the statistics rstd it writes are the same every launch).
+// Phase 1: one launch a kReadersPerLaunch readers (for_each_block_reads_launch;
+// each launch reads the sources, and writes the same rstd).
 void reads_forward(const BlockReadsForwardCall& call) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t grid = block_read_grid(call.T, resident_block_read_ctas());
@@ -64,27 +64,23 @@ void reads_forward(const BlockReadsForwardCall& call) {
             block_reads_rows_aligned<scalar_t>(src.layout, outs.data(), static_cast<int>(call.S),
                                                h_keep, call.T, static_cast<int>(call.D), natural),
             call.D, natural);
-        for (int s_begin = 0; s_begin < call.S; s_begin += kReadersPerLaunch) {
-          BlockReadsParams<scalar_t> p = block_reads_params<scalar_t>(
-              src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), outs.data(),
-              call.lse.data_ptr<acc_t>(), call.rstd.data_ptr<acc_t>(),
-              call.weights.data_ptr<acc_t>(), call.T, static_cast<int>(call.N),
-              static_cast<int>(call.S), static_cast<int>(call.D), static_cast<acc_t>(call.eps),
-              s_begin);
-          const bool with_norm = norm && s_begin == 0;
-          if (with_norm) {
-            set_block_read_norm(p, norm_weight.const_data_ptr<acc_t>(),
-                                norm->rstd.data_ptr<acc_t>(), h_keep,
-                                static_cast<acc_t>(norm->eps));
-          }
-          if (vec == natural) {
-            with_norm ? launch_reads<scalar_t, natural, true>(p, grid, stream)
-                      : launch_reads<scalar_t, natural, false>(p, grid, stream);
-          } else {
-            with_norm ? launch_reads<scalar_t, 1, true>(p, grid, stream)
-                      : launch_reads<scalar_t, 1, false>(p, grid, stream);
-          }
-        }
+        for_each_block_reads_launch<scalar_t>(
+            src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), outs.data(),
+            call.lse.data_ptr<acc_t>(), call.rstd.data_ptr<acc_t>(),
+            call.weights.data_ptr<acc_t>(), call.T, static_cast<int>(call.N),
+            static_cast<int>(call.S), static_cast<int>(call.D), static_cast<acc_t>(call.eps),
+            norm ? norm_weight.const_data_ptr<acc_t>() : nullptr,
+            norm ? norm->rstd.data_ptr<acc_t>() : nullptr, h_keep,
+            norm ? static_cast<acc_t>(norm->eps) : acc_t(0),
+            [&](const BlockReadsParams<scalar_t>& p, bool with_norm) {
+              if (vec == natural) {
+                with_norm ? launch_reads<scalar_t, natural, true>(p, grid, stream)
+                          : launch_reads<scalar_t, natural, false>(p, grid, stream);
+              } else {
+                with_norm ? launch_reads<scalar_t, 1, true>(p, grid, stream)
+                          : launch_reads<scalar_t, 1, false>(p, grid, stream);
+              }
+            });
       });
 }
 

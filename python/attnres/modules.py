@@ -193,8 +193,10 @@ class DepthStream:
             return False
         if self.device.type not in ("cpu", "cuda") or self.dtype not in _TWO_PHASE_DTYPES:
             return False
-        if self.device.type == "cuda" and torch.is_grad_enabled():
-            return False  # CUDA has the forward kernels only: one-call reads while grads are on
+        if self.device.type == "cuda":
+            # CUDA has the forward kernels only, not yet run on a GPU: used
+            # when asked for ("two_phase") with grad mode off (design §10).
+            return self.block_reads == "two_phase" and not torch.is_grad_enabled()
         if self.block_reads == "two_phase":
             return True
         if torch.is_grad_enabled() and self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:

@@ -28,6 +28,7 @@ using namespace emulation;
 namespace {
 
 using ld = long double;
+constexpr double kOutEps = 1e-5;  // the output norm's eps
 
 struct Case {
   int N, S, D;
@@ -116,6 +117,27 @@ struct Checker {
   }
 };
 
+// The output norm's contract with the backward (docs/design.md §11): the
+// norm's r is that of the h the kernel kept (rounded to scalar_t), and
+// y = (h r) w from that h and r.
+template <typename scalar_t, typename acc_t>
+void check_norm_contract(Checker& chk, const std::string& what, const std::vector<scalar_t>& h,
+                         const std::vector<acc_t>& r, const std::vector<scalar_t>& y,
+                         const std::vector<acc_t>& w, int64_t T, int D) {
+  std::vector<double> r_ref(T), y_ref(T * D);
+  for (int64_t t = 0; t < T; ++t) {
+    ld sq = 0;
+    for (int j = 0; j < D; ++j) sq += static_cast<ld>(h[t * D + j]) * static_cast<ld>(h[t * D + j]);
+    r_ref[t] = static_cast<double>(1 / std::sqrt(sq / D + static_cast<ld>(static_cast<acc_t>(kOutEps))));
+    for (int j = 0; j < D; ++j) {
+      y_ref[t * D + j] = static_cast<double>(static_cast<ld>(h[t * D + j]) *
+                                             static_cast<ld>(r[t]) * static_cast<ld>(w[j]));
+    }
+  }
+  chk.check(what, "out rstd of the kept h", rel_err(as_double(r), r_ref), chk.tol.stats);
+  chk.check(what, "y = (h r) w", rel_err(as_double(y), y_ref), chk.tol.output);
+}
+
 template <typename scalar_t>
 void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -168,24 +190,22 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
       block_reads_rows_aligned<scalar_t>(layout, out_ptrs.data(), S, h_keep_p, T, D, natural);
   const int vec1 = block_read_vec(aligned1, D, natural);
   const int64_t grid = c.grid > 0 ? c.grid : block_read_grid(T, 0);
-  for (int s_begin = 0; s_begin < S; s_begin += kReadersPerLaunch) {
-    BlockReadsParams<scalar_t> p = block_reads_params<scalar_t>(
-        layout, layout.overflow.data(), u.data(), out_ptrs.data(), lse.data(), rstd.data(),
-        weights.data(), T, N, S, D, static_cast<acc_t>(c.eps), s_begin);
-    const bool with_norm = c.norm && s_begin == 0;
-    if (with_norm) {
-      set_block_read_norm(p, w_out.data(), norm_rstd.data(), h_keep_p, static_cast<acc_t>(1e-5));
-    }
-    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
-      if (vec1 == natural) {
-        with_norm ? block_reads_fwd_kernel<scalar_t, natural, true>(p)
-                  : block_reads_fwd_kernel<scalar_t, natural, false>(p);
-      } else {
-        with_norm ? block_reads_fwd_kernel<scalar_t, 1, true>(p)
-                  : block_reads_fwd_kernel<scalar_t, 1, false>(p);
-      }
-    });
-  }
+  // The CUDA host code's launch loop (block_read_params.h).
+  for_each_block_reads_launch<scalar_t>(
+      layout, layout.overflow.data(), u.data(), out_ptrs.data(), lse.data(), rstd.data(),
+      weights.data(), T, N, S, D, static_cast<acc_t>(c.eps), c.norm ? w_out.data() : nullptr,
+      norm_rstd.data(), h_keep_p, static_cast<acc_t>(kOutEps),
+      [&](const BlockReadsParams<scalar_t>& p, bool with_norm) {
+        emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+          if (vec1 == natural) {
+            with_norm ? block_reads_fwd_kernel<scalar_t, natural, true>(p)
+                      : block_reads_fwd_kernel<scalar_t, natural, false>(p);
+          } else {
+            with_norm ? block_reads_fwd_kernel<scalar_t, 1, true>(p)
+                      : block_reads_fwd_kernel<scalar_t, 1, false>(p);
+          }
+        });
+      });
   // Reference, per token.
   std::vector<ld> ref_out(static_cast<size_t>(S) * T * D), ref_lse(S * T), ref_rstd(N * T),
       ref_w(static_cast<size_t>(S) * N * T), ref_h0(c.norm ? T * D : 0), ref_nr(c.norm ? T : 0);
@@ -202,7 +222,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
       std::vector<ld> y = r.h;
       if (c.norm && s == 0) {
         for (int j = 0; j < D; ++j) ref_h0[t * D + j] = r.h[j];
-        y = ref_norm<scalar_t>(r.h, w_out.data(), D, 1e-5, ref_nr[t]);
+        y = ref_norm<scalar_t>(r.h, w_out.data(), D, kOutEps, ref_nr[t]);
       }
       for (int j = 0; j < D; ++j) ref_out[(static_cast<int64_t>(s) * T + t) * D + j] = y[j];
     }
@@ -226,6 +246,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
     chk.check(buf, "out rstd", rel_err(as_double(norm_rstd), to_double(ref_nr)), chk.tol.stats);
     if (c.keep_h) {
       chk.check(buf, "h_0", rel_err(as_double(h_keep), to_double(ref_h0)), chk.tol.output);
+      check_norm_contract(chk, buf, h_keep, norm_rstd, outs[0], w_out, T, D);
     }
   }
 
@@ -243,7 +264,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
     ref_take[t] = r.weights[N];
     for (int j = 0; j < D; ++j) ref_h[t * D + j] = r.h[j];
     if (c.norm) {
-      const std::vector<ld> y = ref_norm<scalar_t>(r.h, w_out.data(), D, 1e-5, ref_mr[t]);
+      const std::vector<ld> y = ref_norm<scalar_t>(r.h, w_out.data(), D, kOutEps, ref_mr[t]);
       for (int j = 0; j < D; ++j) ref_y[t * D + j] = y[j];
     }
   }
@@ -260,7 +281,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
         static_cast<acc_t>(c.eps));
     if (c.norm) {
       set_block_read_norm(p, w_out.data(), nr2.data(), h2.empty() ? nullptr : h2.data(),
-                          static_cast<acc_t>(1e-5));
+                          static_cast<acc_t>(kOutEps));
     }
     const int vec2 = block_read_vec(merge_rows_aligned(p, natural), D, natural);
     emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
@@ -285,9 +306,53 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
       chk.check(what, "out rstd", rel_err(as_double(nr2), to_double(ref_mr)), chk.tol.output);
       if (!h2.empty()) {
         chk.check(what, "h", rel_err(as_double(h2), to_double(ref_h)), chk.tol.output);
+        check_norm_contract(chk, what, h2, nr2, got, w_out, T, D);
       }
     }
   }
+}
+
+// Phase 2 at the dtype's maximum: y = P = +-max (alternating columns), u = 0
+// (the block sum's score is exactly 0) and an lse for which keep + take
+// rounds above 1, so that y keep + take P overflows in the accumulation
+// type: h must come out as +-max (the wide, clamped sum of a rescued token).
+template <typename scalar_t>
+void run_merge_at_max(Checker& chk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int D = 64;
+  const int64_t T = 3;
+  const acc_t mx = static_cast<acc_t>(std::numeric_limits<scalar_t>::max());
+  acc_t lse_at = 0;
+  bool found = false;
+  for (int k = 0; k < 200000 && !found; ++k) {
+    const acc_t lse = static_cast<acc_t>(-10.0 + 1e-4 * k);
+    attnres::math::OnlineSoftmax<acc_t> st;
+    st.init(lse);
+    acc_t keep, take;
+    st.push(acc_t(0), keep, take);
+    const acc_t h = attnres::math::online_accumulate(mx, keep, take, mx);
+    if (!(h <= mx)) {
+      lse_at = lse;
+      found = true;
+    }
+  }
+  const std::string what = std::string(dtype_name<scalar_t>()) + " merge at max";
+  if (!found) {
+    chk.check(what, "an lse whose merge overflows (none found)", INFINITY, 0);
+    return;
+  }
+  std::vector<scalar_t> y(T * D), P(T * D), out(T * D);
+  std::vector<double> want(T * D);
+  for (int64_t k = 0; k < T * D; ++k) {
+    y[k] = P[k] = static_cast<scalar_t>(k % 2 == 0 ? mx : -mx);
+    want[k] = static_cast<double>(y[k]);
+  }
+  std::vector<acc_t> lse(T, lse_at), u(D, acc_t(0)), r(T), take(T);
+  MergeParams<scalar_t> p = merge_params<scalar_t>(y.data(), D, P.data(), D, lse.data(), u.data(),
+                                                   out.data(), r.data(), take.data(), T, D,
+                                                   static_cast<acc_t>(1e-6));
+  emu::launch(1, kBlockReadThreads, 0, [&] { block_read_merge_kernel<scalar_t, 1, false>(p); });
+  chk.check(what, "h", rel_err(as_double(out), want), chk.tol.output);
 }
 
 template <typename scalar_t>
@@ -302,6 +367,7 @@ int run_dtype(std::mt19937_64& rng) {
       {3, 5, 96, 5, 0, false, 0, true, true},          // norm, h kept
       {3, 2, 80, 5, 4, false, 0, true, false},         // norm, h not kept; strided
       {2, 18, 40, 3},                                  // two phase-1 launches (> 16 readers)
+      {3, 18, 48, 3, 0, false, 0, true, true},         // the same, reader 0 normed
       {67, 2, 24, 3},                                  // 67 sources: the table's overflow
   };
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
@@ -314,6 +380,7 @@ int run_dtype(std::mt19937_64& rng) {
     cases.push_back({18, 2, 64, 3, 0, false, 0, false, true, max, 1e-6, true});
   }
   for (const Case& c : cases) run_case<scalar_t>(c, rng, chk);
+  if constexpr (!std::is_same_v<scalar_t, c10::Half>) run_merge_at_max<scalar_t>(chk);
   return chk.failures;
 }
 

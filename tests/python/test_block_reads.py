@@ -9,6 +9,7 @@ from torch.library import opcheck
 import attnres
 import attnres.modules as modules_mod
 from attnres import reference
+from attnres.ops import block_read_merge_inplace
 from attnres.models import GPT, GPTConfig
 
 from float64_reference import depth_attention_ref, rel_err
@@ -832,3 +833,20 @@ def test_compiled_inference_of_a_block_gpt(monkeypatch):
         got = torch.compile(model, fullgraph=True, backend="aot_eager")(idx)[0]
     assert counts.merge > 0
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("out_weight", [False, True], ids=["plain", "normed"])
+def test_inplace_merge_refuses_a_block_sum_that_overlaps_the_partial_output(out_weight):
+    """h is written over partial_out while block_sum is read: the same
+    tensor, or a view sharing some of its memory, is refused."""
+    D, T = 8, 4
+    buf = torch.randn((T + 1) * D)
+    partial, lse = buf[:T * D].view(T, D), torch.zeros(T)
+    query = torch.randn(D)
+    w = torch.ones(D) if out_weight else None
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="partial_out and block_sum must be different tensors"):
+            block_read_merge_inplace(partial, lse, partial, query, out_weight=w)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            block_read_merge_inplace(partial, lse, buf[D:].view(T, D), query, out_weight=w)
+        block_read_merge_inplace(partial, lse, torch.randn(T, D), query, out_weight=w)  # disjoint: fine

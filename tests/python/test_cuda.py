@@ -507,9 +507,10 @@ def test_block_read_backward_raises_on_cuda_naming_the_kernel():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_block_stream_reads_two_phase_without_grad(dtype, monkeypatch):
-    """Under no_grad a CUDA Block stream reads two-phase and gives the
-    one-call result; with grad mode on it reads one-call (no backward
-    kernels on CUDA yet) and trains."""
+    """Under no_grad a CUDA Block stream asked for "two_phase" reads two-phase
+    and gives the one-call result; "auto" reads one-call on CUDA, and so does
+    "two_phase" with grad mode on (no backward kernels on CUDA yet), which
+    trains."""
     import attnres.modules as modules_mod
 
     calls = {"phase1": 0}
@@ -541,7 +542,10 @@ def test_cuda_block_stream_reads_two_phase_without_grad(dtype, monkeypatch):
         run("two_phase")  # learns the order
         calls["phase1"] = 0
         got = run("two_phase")
-    assert calls["phase1"] > 0
+        assert calls["phase1"] > 0
+        calls["phase1"] = 0
+        run("auto")
+        assert calls["phase1"] == 0
     assert_rel_close(got.double(), want.double(), 4 * REL_TOL[dtype], "two-phase vs one-call")
     calls["phase1"] = 0
     out = run("two_phase")
