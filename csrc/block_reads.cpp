@@ -101,6 +101,17 @@ DepthProblem check_merge_args(const at::Tensor& partial_out, const at::Tensor& l
   return p;
 }
 
+// The in-place merges write their result (`what`: h or y) over partial_out
+// while they read block_sum: partial_out contiguous, block_sum apart from it.
+void check_merge_in_place(const at::Tensor& partial_out, const at::Tensor& block_sum,
+                          const char* op, const char* what) {
+  TORCH_CHECK_VALUE(partial_out.is_contiguous(), "partial_out must be contiguous for ", op, " (",
+                    what, " is written into it)");
+  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
+                    "partial_out and block_sum must be different tensors");
+  at::assert_no_overlap(partial_out, block_sum);
+}
+
 void check_mask(const c10::List<bool>& mask, size_t expected, const char* what) {
   TORCH_CHECK_VALUE(mask.size() == expected, "output_mask must have ", expected, " entries (",
                     what, "), got ", mask.size());
@@ -172,12 +183,7 @@ void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& p
                                   const std::optional<at::Tensor>& norm_weight, double eps,
                                   double scale) {
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
-  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
-                    "partial_out must be contiguous for block_read_merge_inplace (h is written "
-                    "into it)");
-  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
-                    "partial_out and block_sum must be different tensors");
-  at::assert_no_overlap(partial_out, block_sum);
+  check_merge_in_place(partial_out, block_sum, "block_read_merge_inplace", "h");
   if (k.check_device) k.check_device();
   // The kernels run on the current device and its stream: the sources'.
   const c10::DeviceGuard guard(block_sum.device());
@@ -264,12 +270,7 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
                                          double out_eps) {
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   check_out_norm_args(out_weight, out_eps, {block_sum}, p);
-  TORCH_CHECK_VALUE(partial_out.is_contiguous(),
-                    "partial_out must be contiguous for block_read_merge_normed_inplace (y is "
-                    "written into it)");
-  TORCH_CHECK_VALUE(!partial_out.is_same(block_sum),
-                    "partial_out and block_sum must be different tensors");
-  at::assert_no_overlap(partial_out, block_sum);
+  check_merge_in_place(partial_out, block_sum, "block_read_merge_normed_inplace", "y");
   if (k.check_device) k.check_device();
   // The kernels run on the current device and its stream: the sources'.
   const c10::DeviceGuard guard(block_sum.device());

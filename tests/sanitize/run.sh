@@ -46,12 +46,16 @@ stamp "C++ tests under ASan+UBSan"
 ctest --test-dir "$BUILD" --output-on-failure
 
 stamp "CUDA-kernel emulation under ASan+UBSan"
+# build_emulator NAME: tests/cuda_emulation/NAME.cpp -> $BUILD/NAME, sanitized.
+build_emulator() {
+  g++ -std=c++20 -O1 -g -pthread $SAN \
+    -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
+    -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
+    "tests/cuda_emulation/$1.cpp" -o "$BUILD/$1" \
+    -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
+}
 EMU="$BUILD/emulate_kernels"
-g++ -std=c++20 -O1 -g -pthread $SAN \
-  -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
-  -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
-  tests/cuda_emulation/emulate_kernels.cpp -o "$EMU" \
-  -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
+build_emulator emulate_kernels
 fails=0
 # The dtypes side by side: the emulated threads mostly wait at barriers.
 declare -A pids
@@ -68,11 +72,7 @@ for dtype in float64 float32 bfloat16 float16; do
 done
 stamp "Block-read kernels' emulation under ASan+UBSan"
 BEMU="$BUILD/emulate_block_kernels"
-g++ -std=c++20 -O1 -g -pthread $SAN \
-  -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
-  -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
-  tests/cuda_emulation/emulate_block_kernels.cpp -o "$BEMU" \
-  -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
+build_emulator emulate_block_kernels
 if "$BEMU" > "$BEMU.log" 2>&1; then
   echo "block-read emulation: $(tail -1 "$BEMU.log")"
 else
