@@ -5,7 +5,9 @@ against a stand-in cuda_runtime.h (threads, barriers and warp shuffles
 emulated), with the parameter blocks and launch shapes of
 csrc/cuda/kernel_params.h (the CUDA host code's own set-up), and every output
 is checked against a float64 evaluation of the formulas with the tolerances
-of tests/tolerances.txt. This covers the parallel decomposition of
+of tests/tolerances.txt. Each emulated CUDA thread is a fiber on one OS
+thread (test_emulated_runtime checks the runtime's barriers, its two thread
+orders and its deadlock detection). This covers the parallel decomposition of
 the kernels (lanes, masks, reductions, staging, partial sums) wherever a C++20
 compiler is available; numerics on a real GPU are covered by test_cuda.py.
 """
@@ -59,11 +61,16 @@ def block_emulator(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def runtime_selftest(tmp_path_factory):
+    return _build(tmp_path_factory, "emulate_runtime_selftest")
+
+
+@pytest.fixture(scope="module")
 def emulation_runs(emulator, tmp_path_factory):
-    """The emulation of every dtype, started at once: its emulated threads
-    spend most of their time waiting at barriers (one process keeps ~1.4 of
-    2 cores busy), so running the dtypes side by side shortens make test
-    without dropping any case. Output goes to files (no pipe to fill)."""
+    """The emulation of every dtype, started at once (each process runs its
+    emulated threads on one core), so the dtypes share the machine's cores
+    while the other tests of this module run. Output goes to files (no pipe
+    to fill)."""
     logs = tmp_path_factory.mktemp("emulation_logs")
     runs = {}
     for dtype in DTYPES:
@@ -120,3 +127,14 @@ def test_block_read_kernels_emulated_on_cpu(block_emulator):
     # The range rescue and the wide, clamped sums ran (not in float16, whose
     # range cannot reach them).
     assert " at max " in result.stdout and " range " in result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")
+def test_emulated_runtime(runtime_selftest):
+    """The emulated runtime that every kernel case above relies on: exact
+    barrier and shuffle reductions, a missing __syncthreads seen as stale
+    data, and a barrier that cannot complete failing the launch (no hang)."""
+    result = subprocess.run([str(runtime_selftest)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 failure(s)" in result.stdout
+    assert result.stdout.count("ok ") == 6, result.stdout
