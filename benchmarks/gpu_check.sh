@@ -226,6 +226,25 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         ok = max(errs) <= 2 * tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"block reads: max rel err {max(errs):.2g}")
+        # Phase 2's backward (block_read_merge_bwd and its normed form):
+        # every gradient, CUDA vs CPU, gradient tolerance.
+        outs = []
+        for dev in ("cpu", DEV):
+            s_ = [s.to(dev) for s in src]
+            qs = torch.stack([q, 0.5 * q]).to(dev)
+            with torch.no_grad():
+                parts, lse = attnres.block_reads(s_, qs, None, eps=1e-6)
+            y, r, a = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8)
+            b = torch.ops.attnres.block_read_merge_bwd(dh.to(dev), parts[1], s_[0], qs[1], None, r, a, 0.8, [True] * 5)
+            yn, hn, rn, an, ron = torch.ops.attnres.block_read_merge_normed_fwd(
+                parts[1], lse[1], s_[0], qs[1], None, ow.to(dev), 1e-6, 0.8, 1e-5, True)
+            bn = torch.ops.attnres.block_read_merge_normed_bwd(
+                dh.to(dev), parts[1], s_[0], qs[1], None, ow.to(dev), hn, rn, an, ron, 0.8, [True] * 6)
+            outs.append([b[0], b[1], b[2], b[3], *bn[:4], bn[5]])
+        errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
+        ok = max(errs) <= 2 * tol
+        bad += not ok
+        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"merge backward: max rel err {max(errs):.2g}")
 print(f"smoke check: {bad} failure(s)")
 PY
   echo "smoke rc=$?"
@@ -493,7 +512,7 @@ for dtype, n, t, d, layout in cases:
     torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, False)
     for want_ow in (True, False):
         torch.ops.attnres.depth_attention_normed_bwd(y, None, x, q.detach(), w.detach(), ow, hk, r, a, ro, 1.0, [True] * (n + 2) + [want_ow])
-    # The two-phase Block reads' forward kernels: phase 1 of 3 readers
+    # The two-phase Block reads' kernels: phase 1 of 3 readers
     # (reader 0 normed, h kept), phase 2 out of place and in place (normed).
     qs = torch.stack([q.detach(), 0.5 * q.detach(), -q.detach()])
     with torch.no_grad():
@@ -501,6 +520,14 @@ for dtype, n, t, d, layout in cases:
         parts, lse = attnres.block_reads(x, qs, None)
         attnres.block_read_merge(parts[1], lse[1], x[0], qs[1], out_weight=ow)
         block_read_merge_inplace(parts[2], lse[2], x[0], qs[2])
+    # Phase 2's backward, plain and normed (out_weight's gradient wanted or not).
+    y2, r2, a2 = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
+    torch.ops.attnres.block_read_merge_bwd(y2, parts[1], x[0], qs[1], None, r2, a2, 1.0, [True] * 5)
+    yn, hn, rn, an, ron = torch.ops.attnres.block_read_merge_normed_fwd(
+        parts[1], lse[1], x[0], qs[1], None, ow, 1e-6, 1.0, 1e-5, True)
+    for want_ow in (True, False):
+        torch.ops.attnres.block_read_merge_normed_bwd(
+            yn, parts[1], x[0], qs[1], None, ow, hn, rn, an, ron, 1.0, [True] * 5 + [want_ow])
     if dev == "cuda":
         torch.cuda.synchronize()
     print("ran", dtype, n, t, d, layout, flush=True)

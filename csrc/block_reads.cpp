@@ -333,38 +333,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
 }
 
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_read_merge_bwd_cpu(
-    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
-    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& rstd, const at::Tensor& weight, double scale,
-    const c10::List<bool>& output_mask) {
-  TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
-  const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
-  check_like(grad_out, "grad_out", block_sum, "block_sum's");
-  check_like(partial_out, "partial_out", block_sum, "block_sum's");
-  const auto acc = acc_dtype_for(block_sum.scalar_type());
-  check_stat(rstd, "rstd", p.lead_shape, acc, block_sum);
-  check_stat(weight, "weight", p.lead_shape, acc, block_sum);
-  check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
-  check_cpu_capability();
-  const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor d_partial, d_lse, d_block, z;
-  if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
-  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
-  if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
-  if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
-  if (p.T > 0) {
-    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
-    cpu::block_read_merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u,
-                                    rstd.contiguous(), weight.contiguous(), d_partial, d_lse,
-                                    d_block, z});
-  }
-  at::Tensor grad_query, grad_gain;
-  if (z.defined()) std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
-  if (!output_mask.get(3)) grad_query = at::Tensor();
-  if (!output_mask.get(4)) grad_gain = at::Tensor();
-  return {d_partial, d_lse, d_block, grad_query, grad_gain};
-}
 
 // ---- phase 1 with reader 0's output norm (docs/design.md §11) -----------------
 
@@ -416,15 +384,49 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
   return {wanted, grad_queries, grad_gains, d_out_weight};
 }
 
-// ---- phase 2 with the fused output norm (docs/design.md §11) -------------------
+}  // namespace
 
+// ---- phase 2's backward host sequence of every device (block_read_sequence.h) ----
 
-MergeNormedBackward block_read_merge_normed_bwd_cpu(
-    const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
-    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-    const at::Tensor& weight, const at::Tensor& out_rstd, double scale,
-    const c10::List<bool>& output_mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_bwd(
+    const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
+    const at::Tensor& block_sum, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
+    const at::Tensor& weight, double scale, const c10::List<bool>& output_mask) {
+  TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
+  const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
+  check_like(grad_out, "grad_out", block_sum, "block_sum's");
+  check_like(partial_out, "partial_out", block_sum, "block_sum's");
+  const auto acc = acc_dtype_for(block_sum.scalar_type());
+  check_stat(rstd, "rstd", p.lead_shape, acc, block_sum);
+  check_stat(weight, "weight", p.lead_shape, acc, block_sum);
+  check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
+  if (k.check_device) k.check_device();
+  const c10::DeviceGuard guard(block_sum.device());
+  const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor d_partial, d_lse, d_block, z;
+  if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
+  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
+  if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    k.merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u, rstd.contiguous(),
+                      weight.contiguous(), d_partial, d_lse, d_block, z});
+  }
+  at::Tensor grad_query, grad_gain;
+  if (z.defined()) std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
+  if (!output_mask.get(3)) grad_query = at::Tensor();
+  if (!output_mask.get(4)) grad_gain = at::Tensor();
+  return {d_partial, d_lse, d_block, grad_query, grad_gain};
+}
+
+MergeNormedBackward run_block_read_merge_normed_bwd(
+    const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
+    const at::Tensor& block_sum, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
+    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weight,
+    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask) {
   TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
   const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
   check_like(grad_out, "grad_out", block_sum, "block_sum's");
@@ -436,7 +438,8 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
   check_stat(weight, "weight", p.lead_shape, acc, block_sum);
   check_stat(out_rstd, "out_rstd", p.lead_shape, acc, block_sum);
   check_mask(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight");
-  check_cpu_capability();
+  if (k.check_device) k.check_device();
+  const c10::DeviceGuard guard(block_sum.device());
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z, d_out_weight;
   if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
@@ -449,9 +452,8 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
     const at::Tensor w = out_weight.to(acc).contiguous();
     const at::Tensor out_rstd_c = out_rstd.contiguous();
     const OutNormBackward norm{w, out_rstd_c, d_out_weight};
-    cpu::block_read_merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u,
-                                    rstd.contiguous(), weight.contiguous(), d_partial, d_lse,
-                                    d_block, z, &norm, &h});
+    k.merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u, rstd.contiguous(),
+                      weight.contiguous(), d_partial, d_lse, d_block, z, &norm, &h});
   }
   at::Tensor grad_query, grad_gain;
   if (z.defined()) std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
@@ -460,6 +462,8 @@ MergeNormedBackward block_read_merge_normed_bwd_cpu(
   if (d_out_weight.defined()) d_out_weight = d_out_weight.to(out_weight.scalar_type());
   return {d_partial, d_lse, d_block, grad_query, grad_gain, d_out_weight};
 }
+
+namespace {
 
 // ---- autograd ------------------------------------------------------------------
 
@@ -992,7 +996,8 @@ MergeNormedBackward block_read_merge_normed_bwd_autograd(
 }
 
 constexpr BlockReadKernels kCpuBlockReadKernels{&check_cpu_capability, &cpu::block_reads_forward,
-                                                &cpu::block_read_merge_forward};
+                                                &cpu::block_read_merge_forward,
+                                                &cpu::block_read_merge_backward};
 
 }  // namespace
 
@@ -1011,13 +1016,6 @@ void register_block_read_backward_missing_cuda(torch::Library& m) {
             const c10::List<bool>&) -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> {
            block_read_no_kernel("block_reads_bwd", "CUDA");
          });
-  m.impl("block_read_merge_bwd",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
-            const c10::List<bool>&)
-             -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
-           block_read_no_kernel("block_read_merge_bwd", "CUDA");
-         });
   m.impl("block_reads_normed_bwd",
          [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
             const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
@@ -1025,21 +1023,12 @@ void register_block_read_backward_missing_cuda(torch::Library& m) {
             const c10::List<bool>&) -> BlockReadsNormedBackward {
            block_read_no_kernel("block_reads_normed_bwd", "CUDA");
          });
-  m.impl("block_read_merge_normed_bwd",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-            const c10::List<bool>&) -> MergeNormedBackward {
-           block_read_no_kernel("block_read_merge_normed_bwd", "CUDA");
-         });
 }
 
 TORCH_LIBRARY_IMPL(attnres, CPU, m) {
   register_block_read_kernels<kCpuBlockReadKernels>(m);
   m.impl("block_reads_bwd", &block_reads_bwd_cpu);
-  m.impl("block_read_merge_bwd", &block_read_merge_bwd_cpu);
   m.impl("block_reads_normed_bwd", &block_reads_normed_bwd_cpu);
-  m.impl("block_read_merge_normed_bwd", &block_read_merge_normed_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) {

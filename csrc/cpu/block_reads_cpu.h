@@ -2,7 +2,8 @@
 // with the vector ISA flags like kernels_cpu.cpp; reached only through
 // csrc/block_reads.cpp, which checks the arguments, allocates the outputs
 // and checks the CPU's capability first. Never called with T == 0. The
-// forward calls are device-neutral (attnres/block_read_sequence.h).
+// forward and merge backward calls are device-neutral
+// (attnres/block_read_sequence.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,12 +12,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "attnres/block_read_sequence.h"  // the forward calls
+#include "attnres/block_read_sequence.h"  // the forward calls, MergeBackwardCall
 #include "attnres/op_sequence.h"  // OutNormBackward
 
 namespace attnres {
 namespace cpu {
-
 
 struct BlockReadsBackwardCall {
   int64_t N, S, D, T;
@@ -32,26 +32,6 @@ struct BlockReadsBackwardCall {
   // With reader 0's fused output norm grad_partial_outs[0] is dy_0 and h
   // the forward's h_0 (any strides); out_norm->grad_weight (when defined)
   // is set to the out_weight gradient.
-  const OutNormBackward* out_norm = nullptr;
-  const at::Tensor* h = nullptr;
-};
-
-
-struct MergeBackwardCall {
-  int64_t D, T;
-  const at::Tensor& grad_out;  // [..., D] any strides
-  const at::Tensor& partial_out;
-  const at::Tensor& block_sum;
-  const at::Tensor& u;
-  const at::Tensor& rstd;    // contiguous
-  const at::Tensor& weight;  // contiguous
-  at::Tensor& grad_partial_out;  // contiguous, or undefined (not wanted)
-  at::Tensor& grad_lse;          // contiguous, or undefined
-  at::Tensor& grad_block_sum;    // contiguous, or undefined
-  at::Tensor& z;                 // [D], or undefined
-  // With the fused output norm grad_out is dy (the gradient of y) and h
-  // the forward's h (any strides): dh is formed per token from them;
-  // out_norm->grad_weight (when defined) is set to the out_weight gradient.
   const OutNormBackward* out_norm = nullptr;
   const at::Tensor* h = nullptr;
 };

@@ -1,7 +1,8 @@
-// Device side of the two-phase Block reads' forward (docs/design.md §10):
-// phase 1 (block_reads_fwd_kernel: S readers over the N completed sources,
-// read once from memory) and phase 2 (block_read_merge_kernel: one reader's
-// exact merge with the partial block sum). The per-token formulas are those
+// Device side of the two-phase Block reads (docs/design.md §10): phase 1
+// (block_reads_fwd_kernel: S readers over the N completed sources, read once
+// from memory), phase 2 (block_read_merge_kernel: one reader's exact merge
+// with the partial block sum) and phase 2's backward
+// (block_read_merge_bwd_kernel). The per-token formulas are those
 // of attnres/depth_math.h and of the CPU kernels (cpu/block_reads_cpu.cpp),
 // in the same order: sums of the raw row (the range rescue of rows near the
 // dtype's limits by the same power-of-two factors, §8), per-reader online
@@ -338,6 +339,198 @@ __global__ void __launch_bounds__(kBlockReadThreads)
       const acc_t nr =
           warp_normed_store<scalar_t, VEC>(out, h_dst, sq[0], p.norm_weight, p.norm_eps, D);
       if (lane == 0) p.norm_rstd[t] = nr;
+    }
+  }
+}
+
+// ---- phase 2's backward ------------------------------------------------------
+// One token of block_read_merge_bwd_kernel (as cpu merge_token_grad): with h
+// = keep y + a P (keep = 1 - a), a the block sum's weight, r its rstd,
+// s = r <u, P>:
+//   dy = keep dh,  ds = a keep <dh, P - y>,  dlse = -ds,
+//   dP = a dh + alpha u + beta P  (alpha = ds r, beta = -alpha r s / D),
+//   z += alpha P  (the query's gradient before its scale and gain).
+// With the fused output norm dh = r_o (g - c n) of g = dy w, n = h r_o,
+// c = <g, n> / D, formed per element from dy and the forward's h in every
+// sweep, and dw += dy n.
+
+// dh at one element: grad_out's value, or the fused norm's dh from dy, h.
+template <bool kNorm, typename acc_t>
+__device__ __forceinline__ acc_t merge_dh(acc_t g, acc_t h, acc_t w, acc_t nr, acc_t nc) {
+  if constexpr (kNorm) {
+    return math::out_norm_grad(nr, g * w, nc, h * nr);
+  } else {
+    return g;
+  }
+}
+
+// The writes of one token's sweep 2 at pack j: dy, dP, this warp's partial
+// rows (z: alpha P; dw: dy n), the first token of the warp storing, the
+// later ones adding.
+template <typename scalar_t, int VEC, bool kNorm, typename coef_t>
+__device__ __forceinline__ void merge_bwd_sweep(const MergeBackwardParams<scalar_t>& p,
+                                                int64_t t, coef_t keep, coef_t ga,
+                                                coef_t galpha, coef_t gbeta,
+                                                at::opmath_type<scalar_t> nr,
+                                                at::opmath_type<scalar_t> nc,
+                                                at::opmath_type<scalar_t>* z_row,
+                                                at::opmath_type<scalar_t>* dw_row, bool started) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int D = p.D;
+  const scalar_t* g = p.grad_out + t * p.grad_stride;
+  const scalar_t* P = p.block_sum + t * p.block_stride;
+  const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+    const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+    Pack<scalar_t, VEC> hv{};
+    if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
+    Pack<scalar_t, VEC> dy, dP;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t ge = static_cast<acc_t>(gv.x[e]);
+      const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
+      const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
+      const coef_t dh = static_cast<coef_t>(merge_dh<kNorm>(ge, he, w, nr, nc));
+      const coef_t pe = static_cast<coef_t>(static_cast<acc_t>(pv.x[e]));
+      dy.x[e] = static_cast<scalar_t>(static_cast<acc_t>(keep * dh));
+      dP.x[e] = static_cast<scalar_t>(static_cast<acc_t>(
+          math::source_grad(ga, dh, galpha, static_cast<coef_t>(p.u[j + e]), gbeta, pe)));
+      if (z_row) {
+        const acc_t zv = static_cast<acc_t>(galpha * pe);
+        z_row[j + e] = started ? z_row[j + e] + zv : zv;
+      }
+      if constexpr (kNorm) {
+        if (dw_row) {
+          const acc_t dwv = ge * (he * nr);
+          dw_row[j + e] = started ? dw_row[j + e] + dwv : dwv;
+        }
+      }
+    }
+    if (p.grad_partial) store_global<scalar_t, VEC>(p.grad_partial + t * D + j, dy);
+    if (p.grad_block) store_global<scalar_t, VEC>(p.grad_block + t * D + j, dP);
+  }
+}
+
+// The rare tokens (math::backward_row_is_rare): the sums and coefficients
+// again in WideType, as cpu merge_token_wide; out of line.
+template <typename scalar_t, int VEC, bool kNorm>
+__device__ ATTNRES_NOINLINE void merge_bwd_token_wide(const MergeBackwardParams<scalar_t>& p,
+                                                      int64_t t, at::opmath_type<scalar_t> nr,
+                                                      at::opmath_type<scalar_t> nc,
+                                                      at::opmath_type<scalar_t>* z_row,
+                                                      at::opmath_type<scalar_t>* dw_row, bool started) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using W = typename math::WideType<acc_t>::type;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int D = p.D;
+  const scalar_t* g = p.grad_out + t * p.grad_stride;
+  const scalar_t* y = p.partial + t * p.partial_stride;
+  const scalar_t* P = p.block_sum + t * p.block_stride;
+  const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
+  W sums[2] = {W(0), W(0)};  // <dh, P - y>, <u, P>
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+    const Pack<scalar_t, VEC> yv = load_global<scalar_t, VEC>(y + j);
+    const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+    Pack<scalar_t, VEC> hv{};
+    if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
+      const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
+      const W dh = static_cast<W>(merge_dh<kNorm>(static_cast<acc_t>(gv.x[e]), he, w, nr, nc));
+      const W pe = static_cast<W>(static_cast<acc_t>(pv.x[e]));
+      sums[0] += dh * (pe - static_cast<W>(static_cast<acc_t>(yv.x[e])));
+      sums[1] += static_cast<W>(p.u[j + e]) * pe;
+    }
+  }
+  warp_allreduce<32>(sums, 32);
+  const W a = p.weight[t], r = p.rstd[t], keep = W(1) - a;
+  const auto c = math::source_grad_coefficients<W>(a, r, math::score(r, sums[1]),
+                                                   keep * sums[0], W(0), D);
+  if (lane == 0 && p.grad_lse) p.grad_lse[t] = static_cast<acc_t>(-(a * (keep * sums[0])));
+  merge_bwd_sweep<scalar_t, VEC, kNorm, W>(p, t, keep, c.a, c.alpha, c.beta, nr, nc, z_row,
+                                           dw_row, started);
+}
+
+// Phase 2's backward: one warp a token (grid-stride), each warp summing its
+// tokens' alpha P (and dy n) into its own partial row, so the rows' fixed-
+// order sum gives the same bits every run.
+template <typename scalar_t, int VEC, bool kNorm>
+__global__ void __launch_bounds__(kBlockReadThreads)
+    block_read_merge_bwd_kernel(const __grid_constant__ MergeBackwardParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using W = typename math::WideType<acc_t>::type;
+  // fp64 has no wider type on the device: no rare path there (as the
+  // one-call backward, docs/design.md §8).
+  constexpr bool kHasRarePath = !std::is_same<W, acc_t>::value;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int D = p.D;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBlockReadWarps;
+  acc_t* z_row = p.z_rows ? p.z_rows + warp * D : nullptr;
+  acc_t* dw_row = kNorm && p.dw_rows ? p.dw_rows + warp * D : nullptr;
+  bool started = false;
+  for (int64_t t = warp; t < p.T; t += warps) {
+    const scalar_t* g = p.grad_out + t * p.grad_stride;
+    const scalar_t* y = p.partial + t * p.partial_stride;
+    const scalar_t* P = p.block_sum + t * p.block_stride;
+    const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
+    // The fused norm's c = <dy w, h r_o> / D.
+    acc_t nr = acc_t(0), nc = acc_t(0);
+    if constexpr (kNorm) {
+      nr = p.norm_rstd[t];
+      acc_t c[1] = {acc_t(0)};
+      for (int j = lane * VEC; j < D; j += 32 * VEC) {
+        const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+        const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(h + j);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          c[0] += (static_cast<acc_t>(gv.x[e]) * p.norm_weight[j + e]) *
+                  (static_cast<acc_t>(hv.x[e]) * nr);
+        }
+      }
+      warp_allreduce<32>(c, 32);
+      nc = c[0] / static_cast<acc_t>(D);
+    }
+    // Sweep 1: <dh, P - y> (the elementwise difference first: nothing
+    // cancels beyond it) and <u, P>.
+    acc_t sums[2] = {acc_t(0), acc_t(0)};
+    for (int j = lane * VEC; j < D; j += 32 * VEC) {
+      const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+      const Pack<scalar_t, VEC> yv = load_global<scalar_t, VEC>(y + j);
+      const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+      Pack<scalar_t, VEC> hv{};
+      if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
+        const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
+        const acc_t dh = merge_dh<kNorm>(static_cast<acc_t>(gv.x[e]), he, w, nr, nc);
+        const acc_t pe = static_cast<acc_t>(pv.x[e]);
+        sums[0] += dh * (pe - static_cast<acc_t>(yv.x[e]));
+        sums[1] += p.u[j + e] * pe;
+      }
+    }
+    warp_allreduce<32>(sums, 32);
+    const acc_t a = p.weight[t], r = p.rstd[t];
+    const acc_t s = math::score(r, sums[1]), dp_rel = (acc_t(1) - a) * sums[0];
+    const auto c = math::source_grad_coefficients(a, r, s, dp_rel, acc_t(0), D);
+    if (kHasRarePath && math::backward_row_is_rare(a, r, s, dp_rel, acc_t(0), c)) {
+      merge_bwd_token_wide<scalar_t, VEC, kNorm>(p, t, nr, nc, z_row, dw_row, started);
+    } else {
+      if (lane == 0 && p.grad_lse) p.grad_lse[t] = -(a * dp_rel);
+      merge_bwd_sweep<scalar_t, VEC, kNorm, acc_t>(p, t, acc_t(1) - a, c.a, c.alpha, c.beta, nr,
+                                                   nc, z_row, dw_row, started);
+    }
+    started = true;
+  }
+  if (!started) {  // a warp past the last token: its rows are zero
+    for (int d = lane; d < D; d += 32) {
+      if (z_row) z_row[d] = acc_t(0);
+      if (dw_row) dw_row[d] = acc_t(0);
     }
   }
 }

@@ -69,6 +69,31 @@ struct MergeParams {
   acc_t eps, norm_eps;
 };
 
+// Phase 2's backward (one reader): dy, dlse and dP per token, and the
+// query's (and the fused norm's weight's) gradient as one partial row per
+// warp, summed in a fixed order afterwards (sum_partial_rows_kernel).
+template <typename scalar_t>
+struct MergeBackwardParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* grad_out;  // dh, or dy of the fused norm; rows grad_stride apart
+  const scalar_t* partial;
+  const scalar_t* block_sum;
+  const scalar_t* h;  // the forward's h (the fused norm only)
+  int64_t grad_stride, partial_stride, block_stride, h_stride;
+  const acc_t* u;       // [D]
+  const acc_t* rstd;    // [T]: the block sum's rstd
+  const acc_t* weight;  // [T]: the block sum's weight
+  const acc_t* norm_weight;  // [D] (the fused norm only)
+  const acc_t* norm_rstd;    // [T]
+  scalar_t* grad_partial;  // [T, D] contiguous, or null
+  acc_t* grad_lse;         // [T], or null
+  scalar_t* grad_block;    // [T, D] contiguous, or null
+  acc_t* z_rows;           // [warps, D]: sum over a warp's tokens of alpha P, or null
+  acc_t* dw_rows;          // [warps, D]: sum of dy n (the fused norm), or null
+  int64_t T;
+  int D;
+};
+
 static_assert(sizeof(BlockReadsParams<double>) <= 4096 && sizeof(MergeParams<double>) <= 4096,
               "block read kernel parameters exceed 4 KiB");
 
@@ -170,6 +195,22 @@ bool block_reads_rows_aligned(const SourceTableLayout& layout, scalar_t* const* 
   bool aligned = layout.vector_aligned && (!h_keep || rows_aligned(h_keep, D, T, natural, es));
   for (int s = 0; s < S; ++s) aligned = aligned && rows_aligned(outs[s], D, T, natural, es);
   return aligned;
+}
+
+// Rows of a merge backward's partial sums: one a warp of the grid.
+inline int64_t merge_backward_rows(int64_t grid) { return grid * kBlockReadWarps; }
+
+// Whether a merge backward can take 16-byte packs: every row it reads or
+// writes (the outputs are contiguous).
+template <typename scalar_t>
+bool merge_backward_rows_aligned(const MergeBackwardParams<scalar_t>& p, int natural) {
+  const size_t es = sizeof(scalar_t);
+  return rows_aligned(p.grad_out, p.grad_stride, p.T, natural, es) &&
+         rows_aligned(p.partial, p.partial_stride, p.T, natural, es) &&
+         rows_aligned(p.block_sum, p.block_stride, p.T, natural, es) &&
+         (!p.h || rows_aligned(p.h, p.h_stride, p.T, natural, es)) &&
+         (!p.grad_partial || rows_aligned(p.grad_partial, p.D, p.T, natural, es)) &&
+         (!p.grad_block || rows_aligned(p.grad_block, p.D, p.T, natural, es));
 }
 
 // Whether a merge can take 16-byte packs: every row it reads or writes.

@@ -1,9 +1,10 @@
-// CUDA kernels of the two-phase Block reads' forward ops (docs/design.md
-// §10): the device side of the host sequence in attnres/block_read_sequence.h
-// (checks, u and the outputs are shared with the CPU). Launched on the
-// current stream with no host synchronization and no host->device copies
-// (capturable in a CUDA graph), like depth_attention_cuda.cu. The backward
-// ops have no CUDA kernel yet: they raise NotImplementedError here.
+// CUDA kernels of the two-phase Block reads' forward ops and phase 2's
+// backward (docs/design.md §10): the device side of the host sequence in
+// attnres/block_read_sequence.h (checks, u and the outputs are shared with
+// the CPU). Launched on the current stream with no host synchronization and
+// no host->device copies (capturable in a CUDA graph), like
+// depth_attention_cuda.cu. Phase 1's backward ops have no CUDA kernel yet:
+// they raise NotImplementedError here.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "attnres/block_read_sequence.h"
@@ -122,7 +124,91 @@ void merge_forward(const MergeForwardCall& call) {
       });
 }
 
-constexpr BlockReadKernels kCudaBlockReadKernels{nullptr, &reads_forward, &merge_forward};
+template <typename scalar_t, int VEC, bool kNorm>
+void launch_merge_backward(const MergeBackwardParams<scalar_t>& p, int64_t grid,
+                           cudaStream_t stream) {
+  block_read_merge_bwd_kernel<scalar_t, VEC, kNorm>
+      <<<static_cast<unsigned>(grid), kBlockReadThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// z (or dw) = the fixed-order sum of the warps' partial rows.
+template <typename acc_t>
+void sum_rows(const at::Tensor& partial, int64_t rows, int D, at::Tensor& out,
+              cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((D + kSumColumns - 1) / kSumColumns);
+  sum_partial_rows_kernel<acc_t><<<blocks, kSumColumns * kSumSlices, 0, stream>>>(
+      partial.const_data_ptr<acc_t>(), rows, D, out.data_ptr<acc_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Phase 2's backward: one launch over the tokens, then the fixed-order sums
+// of the warps' partial rows (z, and the fused norm's weight gradient).
+void merge_backward(const MergeBackwardCall& call) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t grid = block_read_grid(call.T, resident_block_read_ctas());
+  const int64_t rows = merge_backward_rows(grid);
+  const int D = static_cast<int>(call.D);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, call.block_sum.scalar_type(),
+      "attnres_block_read_merge_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        constexpr int natural = natural_vec<scalar_t>();
+        const Rows grad = as_rows(call.grad_out);
+        const Rows partial = as_rows(call.partial_out);
+        const Rows block = as_rows(call.block_sum);
+        const OutNormBackward* norm = call.out_norm;
+        const auto acc_opts = call.block_sum.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+        MergeBackwardParams<scalar_t> p{};
+        p.grad_out = grad.tensor.const_data_ptr<scalar_t>();
+        p.grad_stride = grad.row_stride;
+        p.partial = partial.tensor.const_data_ptr<scalar_t>();
+        p.partial_stride = partial.row_stride;
+        p.block_sum = block.tensor.const_data_ptr<scalar_t>();
+        p.block_stride = block.row_stride;
+        p.u = call.u.const_data_ptr<acc_t>();
+        p.rstd = call.rstd.const_data_ptr<acc_t>();
+        p.weight = call.weight.const_data_ptr<acc_t>();
+        p.grad_partial =
+            call.grad_partial_out.defined() ? call.grad_partial_out.data_ptr<scalar_t>() : nullptr;
+        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.data_ptr<acc_t>() : nullptr;
+        p.grad_block =
+            call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
+        p.T = call.T;
+        p.D = D;
+        at::Tensor z_rows, dw_rows, norm_weight;
+        if (call.z.defined()) {
+          z_rows = at::empty({rows, call.D}, acc_opts);
+          p.z_rows = z_rows.data_ptr<acc_t>();
+        }
+        std::optional<Rows> h;
+        if (norm) {
+          h.emplace(as_rows(*call.h));
+          p.h = h->tensor.const_data_ptr<scalar_t>();
+          p.h_stride = h->row_stride;
+          norm_weight = pack_aligned(norm->weight);
+          p.norm_weight = norm_weight.const_data_ptr<acc_t>();
+          p.norm_rstd = norm->rstd.const_data_ptr<acc_t>();
+          if (norm->grad_weight.defined()) {
+            dw_rows = at::empty({rows, call.D}, acc_opts);
+            p.dw_rows = dw_rows.data_ptr<acc_t>();
+          }
+        }
+        const bool with_norm = norm != nullptr;
+        if (block_read_vec(merge_backward_rows_aligned(p, natural), call.D, natural) == natural) {
+          with_norm ? launch_merge_backward<scalar_t, natural, true>(p, grid, stream)
+                    : launch_merge_backward<scalar_t, natural, false>(p, grid, stream);
+        } else {
+          with_norm ? launch_merge_backward<scalar_t, 1, true>(p, grid, stream)
+                    : launch_merge_backward<scalar_t, 1, false>(p, grid, stream);
+        }
+        if (z_rows.defined()) sum_rows<acc_t>(z_rows, rows, D, call.z, stream);
+        if (dw_rows.defined()) sum_rows<acc_t>(dw_rows, rows, D, norm->grad_weight, stream);
+      });
+}
+
+constexpr BlockReadKernels kCudaBlockReadKernels{nullptr, &reads_forward, &merge_forward,
+                                                 &merge_backward};
 
 }  // namespace
 

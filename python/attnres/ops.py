@@ -340,10 +340,10 @@ def depth_attention(
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
 # CPU kernels (csrc/cpu/block_reads_cpu.cpp) for all of them; CUDA kernels
-# (csrc/cuda/block_kernels.cuh) for the forward ops only: on CUDA the backward
-# ops raise NotImplementedError naming the missing kernel, so a CUDA read
-# that needs a gradient raises at backward. Autograd in C++
-# (csrc/block_reads.cpp), like the ops above.
+# (csrc/cuda/block_kernels.cuh) for the forward ops and phase 2's backward:
+# on CUDA phase 1's backward ops raise NotImplementedError naming the missing
+# kernel, so a CUDA phase-1 read that needs a gradient raises at backward.
+# Autograd in C++ (csrc/block_reads.cpp), like the ops above.
 
 
 def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
@@ -643,7 +643,7 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     With ``out_weight`` it returns ``RMSNorm(h) * out_weight`` (eps
     ``out_eps``), the norm fused into the merge (§11), as
     :func:`depth_attention` does with ``out_weight``. Differentiable on
-    CPU; forward only on CUDA (its backward raises NotImplementedError)."""
+    CPU and CUDA."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     if out_weight is None:
         out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(

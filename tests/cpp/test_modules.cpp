@@ -810,6 +810,47 @@ TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseOnlyWithGradModeOff) {
   EXPECT_TRUE(net->reads[0]->query.grad().defined());
 }
 
+// Phase 2's backward on CUDA (plain and normed), through the C++ autograd:
+// every gradient equals the CPU's (float64), and a second run gives the same
+// bits (fixed-order sums of the query and out-weight gradients).
+TEST(TwoPhaseBlockReads, CudaMergeBackwardMatchesTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device (none visible)";
+  at::manual_seed(11);
+  const Tensors completed = leaves(3, {4, 6, kD});
+  const at::Tensor queries = at::randn({2, kD}, at::kDouble);
+  Tensors phase1;
+  {
+    torch::NoGradGuard no_grad;
+    auto [partials, lse] = attnres::block_reads(completed, queries, std::nullopt);
+    phase1 = {partials[1], lse[1]};
+  }
+  const at::Tensor block_sum = at::randn({4, 6, kD}, at::kDouble);
+  const at::Tensor gain = at::rand({kD}, at::kDouble) + 0.5;
+  const at::Tensor out_weight = at::rand({kD}, at::kDouble) + 0.5;
+  const at::Tensor grad = at::randn({4, 6, kD}, at::kDouble);
+  for (bool normed : {false, true}) {
+    SCOPED_TRACE(normed ? "normed" : "plain");
+    auto run = [&](at::Device device) {
+      Tensors in;
+      for (const at::Tensor& t : {phase1[0], phase1[1], block_sum, queries[1], gain, out_weight}) {
+        in.push_back(t.to(device, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true));
+      }
+      const at::Tensor out =
+          normed ? attnres::block_read_merge_normed(in[0], in[1], in[2], in[3], in[4], in[5])
+                 : attnres::block_read_merge(in[0], in[1], in[2], in[3], in[4]);
+      if (!normed) in.pop_back();
+      return torch::autograd::grad({out}, in, {grad.to(device)});
+    };
+    const Tensors want = run(at::kCPU);
+    const Tensors got = run(at::kCUDA);
+    const Tensors again = run(at::kCUDA);
+    for (size_t i = 0; i < want.size(); ++i) {
+      expect_close(got[i].cpu(), want[i], kGradTol, "gradient of input " + std::to_string(i));
+      EXPECT_TRUE(at::equal(got[i], again[i])) << "input " << i << " differs between two runs";
+    }
+  }
+}
+
 // ---- training --------------------------------------------------------------------
 
 TEST(Training, AFewAdamStepsReduceTheLoss) {

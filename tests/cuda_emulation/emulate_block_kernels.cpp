@@ -4,9 +4,10 @@
 // every output against a long double evaluation of the formulas (docs/design.md
 // §10, §11): phase 1 for S readers (several launches past kReadersPerLaunch),
 // phase 2 out of place and in place, each plain and with the fused output
-// norm, strided and misaligned rows (the one-element path), the grid-stride
-// token loop, the source table's overflow, and rows near the dtype's limits
-// (the range rescue, §8). Built and run by tests/python/test_cuda_emulation.py.
+// norm, phase 2's backward (with the fixed-order sums of its partial rows),
+// strided and misaligned rows (the one-element path), the grid-stride token
+// loop, the source table's overflow, and rows near the dtype's limits (the
+// range rescue, §8). Built and run by tests/python/test_cuda_emulation.py.
 // Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -355,6 +356,154 @@ void run_merge_at_max(Checker& chk) {
   chk.check(what, "h", rel_err(as_double(out), want), chk.tol.output);
 }
 
+// ---- phase 2's backward (block_read_merge_bwd_kernel) ----------------------------
+struct BackwardCase {
+  int D;
+  int64_t T;
+  int extra_stride = 0;     // grad_out, partial, block sum and h rows D + extra_stride apart
+  bool misaligned = false;  // those rows start one element past an aligned address
+  int64_t grid = 0;         // CTAs (0: one a warp's worth of tokens)
+  bool norm = false;
+  bool want_all = true;     // false: no dy, no z (dlse, dP and dw still wanted)
+  double magnitude = 0;     // > 0: P and y uniform in +-magnitude (the rare path)
+};
+
+// Inputs are random; the forward's saved statistics (the block sum's rstd
+// and weight, h and the output norm's rstd) are computed in long double and
+// rounded as the forward stores them, and the reference backward starts
+// from those rounded values: dy = (1 - a) dh, ds = a (1 - a) <dh, P - y>,
+// dlse = -ds, dP = a dh + ds r u - ds r^2 s / D P, z = sum_t ds r P, and
+// with the norm dh = r_o (g w - c h r_o), c = <g w, h r_o> / D, dw = sum_t g h r_o.
+template <typename scalar_t>
+void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& chk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int natural = natural_vec<scalar_t>();
+  const int D = c.D;
+  const int64_t T = c.T;
+  const int64_t stride = D + c.extra_stride;
+  const int offset = c.misaligned ? 1 : 0;
+  const double eps = 1e-6;
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  const size_t len = offset + T * stride + natural;
+  auto rows_of = [&](double scale, bool big) {
+    std::vector<scalar_t> v(len);
+    for (auto& x : v) x = static_cast<scalar_t>(big ? uniform(rng) * c.magnitude : normal(rng) * scale);
+    return v;
+  };
+  const bool big = c.magnitude > 0;
+  std::vector<scalar_t> g = rows_of(1.0, false), y = rows_of(1.0, big), P = rows_of(1.5, big);
+  std::vector<acc_t> u(D), w(D), lse(T);
+  for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
+  for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
+  for (auto& x : lse) x = static_cast<acc_t>(0.5 * normal(rng));
+  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) {
+    return static_cast<ld>(static_cast<acc_t>(v[offset + t * stride + j]));
+  };
+  // The forward's statistics, rounded as stored.
+  std::vector<acc_t> rstd(T), weight(T), out_rstd(T);
+  std::vector<scalar_t> h(c.norm ? len : 0);
+  for (int64_t t = 0; t < T; ++t) {
+    ld sq = 0, dot = 0;
+    for (int j = 0; j < D; ++j) {
+      sq += at(P, t, j) * at(P, t, j);
+      dot += static_cast<ld>(u[j]) * at(P, t, j);
+    }
+    rstd[t] = static_cast<acc_t>(1 / std::sqrt(sq / D + static_cast<ld>(static_cast<acc_t>(eps))));
+    const ld s = static_cast<ld>(rstd[t]) * dot, m = std::max<ld>(s, lse[t]);
+    weight[t] = static_cast<acc_t>(std::exp(s - m) / (std::exp(s - m) + std::exp(lse[t] - m)));
+    if (c.norm) {
+      const ld a = weight[t];
+      ld hsq = 0;
+      for (int j = 0; j < D; ++j) {
+        const scalar_t hj = static_cast<scalar_t>(static_cast<acc_t>((1 - a) * at(y, t, j) + a * at(P, t, j)));
+        h[offset + t * stride + j] = hj;
+        hsq += static_cast<ld>(hj) * static_cast<ld>(hj);
+      }
+      out_rstd[t] = static_cast<acc_t>(1 / std::sqrt(hsq / D + static_cast<ld>(static_cast<acc_t>(kOutEps))));
+    }
+  }
+  // Reference.
+  std::vector<ld> ref_dy(T * D), ref_dP(T * D), ref_dlse(T), ref_z(D, 0), ref_dw(D, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const ld a = weight[t], r = rstd[t], nr = out_rstd[t];
+    std::vector<ld> dh(D);
+    ld cn = 0;
+    if (c.norm) {
+      for (int j = 0; j < D; ++j) cn += at(g, t, j) * static_cast<ld>(w[j]) * at(h, t, j) * nr;
+      cn /= D;
+    }
+    ld cdot = 0, udot = 0;
+    for (int j = 0; j < D; ++j) {
+      dh[j] = c.norm ? nr * (at(g, t, j) * static_cast<ld>(w[j]) - cn * at(h, t, j) * nr) : at(g, t, j);
+      cdot += dh[j] * (at(P, t, j) - at(y, t, j));
+      udot += static_cast<ld>(u[j]) * at(P, t, j);
+      if (c.norm) ref_dw[j] += at(g, t, j) * at(h, t, j) * nr;
+    }
+    const ld s = r * udot, ds = a * (1 - a) * cdot, alpha = ds * r, beta = -alpha * r * s / D;
+    ref_dlse[t] = -ds;
+    for (int j = 0; j < D; ++j) {
+      ref_dy[t * D + j] = (1 - a) * dh[j];
+      ref_dP[t * D + j] = a * dh[j] + alpha * static_cast<ld>(u[j]) + beta * at(P, t, j);
+      ref_z[j] += alpha * at(P, t, j);
+    }
+  }
+  // The kernel, then the fixed-order sums of its partial rows.
+  const int64_t grid = c.grid > 0 ? c.grid : block_read_grid(T, 0);
+  const int64_t rows = merge_backward_rows(grid);
+  const acc_t nan = static_cast<acc_t>(NAN);
+  std::vector<scalar_t> dy(c.want_all ? T * D : 0, static_cast<scalar_t>(NAN)), dP(T * D, static_cast<scalar_t>(NAN));
+  std::vector<acc_t> dlse(T, nan), z_rows(c.want_all ? rows * D : 0, nan), dw_rows(c.norm ? rows * D : 0, nan);
+  MergeBackwardParams<scalar_t> p{};
+  p.grad_out = g.data() + offset;
+  p.partial = y.data() + offset;
+  p.block_sum = P.data() + offset;
+  p.h = c.norm ? h.data() + offset : nullptr;
+  p.grad_stride = p.partial_stride = p.block_stride = p.h_stride = stride;
+  p.u = u.data();
+  p.rstd = rstd.data();
+  p.weight = weight.data();
+  p.norm_weight = c.norm ? w.data() : nullptr;
+  p.norm_rstd = c.norm ? out_rstd.data() : nullptr;
+  p.grad_partial = dy.empty() ? nullptr : dy.data();
+  p.grad_lse = dlse.data();
+  p.grad_block = dP.data();
+  p.z_rows = z_rows.empty() ? nullptr : z_rows.data();
+  p.dw_rows = dw_rows.empty() ? nullptr : dw_rows.data();
+  p.T = T;
+  p.D = D;
+  const int vec = block_read_vec(merge_backward_rows_aligned(p, natural), D, natural);
+  emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+    if (vec == natural) {
+      c.norm ? block_read_merge_bwd_kernel<scalar_t, natural, true>(p)
+             : block_read_merge_bwd_kernel<scalar_t, natural, false>(p);
+    } else {
+      c.norm ? block_read_merge_bwd_kernel<scalar_t, 1, true>(p)
+             : block_read_merge_bwd_kernel<scalar_t, 1, false>(p);
+    }
+  });
+  auto row_sums = [&](const std::vector<acc_t>& partial) {
+    std::vector<acc_t> out(D, nan);
+    emu::launch(static_cast<unsigned>((D + kSumColumns - 1) / kSumColumns), kSumColumns * kSumSlices, 0,
+                [&] { sum_partial_rows_kernel<acc_t>(partial.data(), rows, D, out.data()); });
+    return out;
+  };
+  char what[200];
+  std::snprintf(what, sizeof what, "%s merge backward D=%d T=%ld grid=%ld vec=%d%s%s%s%s",
+                dtype_name<scalar_t>(), D, long(T), long(grid), vec, c.norm ? " norm" : "",
+                c.extra_stride ? " strided" : "", c.want_all ? "" : " (no dy, no z)",
+                big ? " range" : "");
+  chk.check(what, "dP", rel_err(as_double(dP), to_double(ref_dP)), chk.tol.grad);
+  chk.check(what, "dlse", rel_err(as_double(dlse), to_double(ref_dlse)), chk.tol.grad);
+  if (c.want_all) {
+    chk.check(what, "dy", rel_err(as_double(dy), to_double(ref_dy)), chk.tol.grad);
+    chk.check(what, "z", rel_err(as_double(row_sums(z_rows)), to_double(ref_z)), chk.tol.grad);
+  }
+  if (c.norm) {
+    chk.check(what, "dw", rel_err(as_double(row_sums(dw_rows)), to_double(ref_dw)), chk.tol.grad);
+  }
+}
+
 template <typename scalar_t>
 int run_dtype(std::mt19937_64& rng) {
   Checker chk{read_tolerance(dtype_name<scalar_t>())};
@@ -380,6 +529,24 @@ int run_dtype(std::mt19937_64& rng) {
     cases.push_back({18, 2, 64, 3, 0, false, 0, false, true, max, 1e-6, true});
   }
   for (const Case& c : cases) run_case<scalar_t>(c, rng, chk);
+  std::vector<BackwardCase> backward_cases = {
+      {64, 5},                               // 8 warps for 5 tokens: empty warps' rows are zero
+      {1000, 7},                             // D = 1000
+      {72, 9, 8},                            // strided rows
+      {70, 6, 0, true},                      // misaligned: one element a lane
+      {33, 11, 0, false, 1},                 // one CTA: a warp sums several tokens
+      {96, 5, 0, false, 0, true},            // the fused norm
+      {80, 9, 4, true, 1, true},             // the norm, strided, misaligned, one CTA
+      {48, 6, 0, false, 0, false, false},    // dy and z not wanted
+      {40, 5, 0, false, 0, true, false},     // the norm without dy and z
+  };
+  if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
+    // Rows near the accumulation type's limits: the rare (WideType) tokens.
+    const double big = std::is_same_v<scalar_t, double> ? 1e300 : 1e36;
+    backward_cases.push_back({64, 4, 0, false, 0, false, true, big});
+    backward_cases.push_back({64, 4, 0, false, 0, true, true, big});
+  }
+  for (const BackwardCase& c : backward_cases) run_merge_backward<scalar_t>(c, rng, chk);
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) run_merge_at_max<scalar_t>(chk);
   return chk.failures;
 }

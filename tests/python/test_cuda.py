@@ -448,7 +448,8 @@ def test_normed_misaligned_out_weight_and_h(dtype):
     assert_rel_close(got[3], base[3], REL_TOL[dtype], "out_weight gradient with a misaligned h")
 
 
-# ---- two-phase Block reads: the forward ops' CUDA kernels (docs/design.md §10)
+# ---- two-phase Block reads: the forward ops' and phase 2's backward CUDA kernels
+# (docs/design.md §10)
 
 
 def block_problem(n, s, lead, d, dtype, seed=0):
@@ -495,6 +496,44 @@ def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, norm
                                                     queries[j].cuda(), gains[j].cuda(),
                                                     out_weight=cuda(ow))
         assert torch.equal(in_place, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,strided", [(64, False), (1000, True), (7186, False), (3, False)])
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+def test_block_read_merge_backward_kernel_matches_float64(dtype, d, strided, normed):
+    """Phase 2's backward on CUDA (block_read_merge_bwd, and its normed form)
+    through autograd: every gradient against the float64 CPU op, and the
+    same bits on a second run (the query and out-weight gradients are fixed-
+    order sums of per-warp partial rows)."""
+    sources, block_sum, queries, gains, out_w = block_problem(3, 2, (3, 5), d, dtype, seed=d + 7)
+    with torch.no_grad():
+        partials, lse = attnres.block_reads(sources, queries, gains)
+    grad = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+
+    def leaf(t, device, cast):
+        return cast(t).to(device, copy=True).requires_grad_(True)
+
+    def run(device, cast):
+        leaves = [leaf(t, device, cast) for t in (partials[1], lse[1], block_sum, queries[1], gains[1])]
+        if strided:  # block sum rows d + 5 apart, made on the device (a copy is contiguous)
+            wide = torch.randn(3, 5, d + 5, dtype=torch.float64, device=device).to(leaves[2].dtype)
+            wide[..., :d] = leaves[2].detach()
+            leaves[2] = wide[..., :d].detach().requires_grad_(True)
+            assert not leaves[2].is_contiguous()
+        ow = leaf(out_w, device, cast) if normed else None
+        out = attnres.block_read_merge(*leaves, out_weight=ow)
+        out.backward(cast(grad.to(dtype)).to(device))
+        return [x.grad for x in leaves] + ([ow.grad] if normed else [])
+
+    want = run("cpu", lambda t: t.double())
+    got = run("cuda", lambda t: t)
+    again = run("cuda", lambda t: t)
+    names = ["partial_out", "lse", "block_sum", "query", "gain", "out_weight"]
+    for g, w, a, name in zip(got, want, again, names):
+        assert g.is_cuda
+        assert_rel_close(g.cpu().double(), w, GRAD_REL_TOL[dtype], f"gradient of {name}")
+        assert torch.equal(g, a), f"gradient of {name} differs between two runs"
 
 
 def test_block_read_backward_raises_on_cuda_naming_the_kernel():

@@ -116,8 +116,8 @@ def test_cuda_kernels_emulated_on_cpu(emulation_runs, dtype):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")
 def test_block_read_kernels_emulated_on_cpu(block_emulator):
     """The two-phase Block reads' CUDA kernels (csrc/cuda/block_kernels.cuh),
-    phase 1 and phase 2, plain and normed, in every dtype, against long
-    double."""
+    phase 1, phase 2 and phase 2's backward, plain and normed, in every
+    dtype, against long double."""
     result = subprocess.run([str(block_emulator)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"emulated block-read kernels disagree:\n{result.stdout[-6000:]}{result.stderr}"
     assert "0 failure(s)" in result.stdout
@@ -127,6 +127,13 @@ def test_block_read_kernels_emulated_on_cpu(block_emulator):
     # The range rescue and the wide, clamped sums ran (not in float16, whose
     # range cannot reach them).
     assert " at max " in result.stdout and " range " in result.stdout
+    # Phase 2's backward ran in every dtype, plain and normed, its partial
+    # rows summed (z, dw), and on the rare tokens (not in float16).
+    lines = [line for line in result.stdout.splitlines() if "merge backward" in line]
+    for dtype in DTYPES:
+        for what in (" z:", " norm", " dw:"):
+            assert any(dtype in line and what in line for line in lines), (dtype, what)
+    assert any("range" in line and "norm" in line for line in lines)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")

@@ -1,11 +1,12 @@
-// The host sequence of the two-phase Block reads' forward ops (docs/design.md
-// §10), shared by every device, as op_sequence.h is for depth_attention:
+// The host sequence of the two-phase Block reads' forward ops and phase 2's
+// backward (docs/design.md §10), shared by every device, as op_sequence.h is for depth_attention:
 //   check the arguments -> u (accumulation dtype) -> allocate the outputs
 //   -> the device's kernel.
-// A device supplies its two forward kernels (BlockReadKernels) and registers
-// them with register_block_read_kernels (csrc/block_reads.cpp for the CPU,
-// csrc/cuda/block_reads_cuda.cu for CUDA). The backward ops have CPU kernels
-// only; CUDA registers them as NotImplementedError (block_read_no_cuda_kernel).
+// A device supplies its two forward kernels and phase 2's backward
+// (BlockReadKernels) and registers them with register_block_read_kernels
+// (csrc/block_reads.cpp for the CPU, csrc/cuda/block_reads_cuda.cu for CUDA).
+// Phase 1's backward ops have CPU kernels only; CUDA registers them as
+// NotImplementedError (register_block_read_backward_missing_cuda).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,7 +19,7 @@
 #include <vector>
 
 #include "attnres/block_reads.h"
-#include "attnres/op_sequence.h"  // OutNormForward
+#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward
 
 namespace attnres {
 
@@ -54,10 +55,31 @@ struct MergeForwardCall {
   const OutNormForward* out_norm = nullptr;
 };
 
+// Phase 2's backward (T > 0): the gradients of one reader's merge.
+struct MergeBackwardCall {
+  int64_t D, T;
+  const at::Tensor& grad_out;  // [..., D] any strides
+  const at::Tensor& partial_out;
+  const at::Tensor& block_sum;
+  const at::Tensor& u;
+  const at::Tensor& rstd;    // contiguous
+  const at::Tensor& weight;  // contiguous
+  at::Tensor& grad_partial_out;  // contiguous, or undefined (not wanted)
+  at::Tensor& grad_lse;          // contiguous, or undefined
+  at::Tensor& grad_block_sum;    // contiguous, or undefined
+  at::Tensor& z;                 // [D], or undefined: set to sum_t alpha_t P_t
+  // With the fused output norm grad_out is dy (the gradient of y) and h
+  // the forward's h (any strides): dh is formed per token from them;
+  // out_norm->grad_weight (when defined) is set to the out_weight gradient.
+  const OutNormBackward* out_norm = nullptr;
+  const at::Tensor* h = nullptr;
+};
+
 struct BlockReadKernels {
   void (*check_device)();  // before any kernel runs (the CPU's ISA), or null
   void (*reads_forward)(const BlockReadsForwardCall&);
   void (*merge_forward)(const MergeForwardCall&);
+  void (*merge_backward)(const MergeBackwardCall&);
 };
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_block_reads_fwd(
@@ -95,8 +117,22 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
                                          const at::Tensor& out_weight, double eps, double scale,
                                          double out_eps);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_bwd(
+    const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
+    const at::Tensor& block_sum, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
+    const at::Tensor& weight, double scale, const c10::List<bool>& output_mask);
+
+MergeNormedBackward run_block_read_merge_normed_bwd(
+    const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
+    const at::Tensor& block_sum, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
+    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weight,
+    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
+
 // Registers a device's kernels for the six forward ops (phase 1 and phase 2,
-// plain and normed, the in-place forms included) under its dispatch key.
+// plain and normed, the in-place forms included) and phase 2's two backward
+// ops under its dispatch key.
 template <const BlockReadKernels& k>
 void register_block_read_kernels(torch::Library& m) {
   m.impl("block_reads_fwd", [](at::TensorList sources, const at::Tensor& queries,
@@ -140,6 +176,24 @@ void register_block_read_kernels(torch::Library& m) {
             const at::Tensor& out_weight, double eps, double scale, double out_eps) {
            run_block_read_merge_normed_inplace(k, partial_out, lse, block_sum, query,
                                                norm_weight, out_weight, eps, scale, out_eps);
+         });
+  m.impl("block_read_merge_bwd",
+         [](const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+            const at::Tensor& rstd, const at::Tensor& weight, double scale,
+            const c10::List<bool>& output_mask) {
+           return run_block_read_merge_bwd(k, grad_out, partial_out, block_sum, query,
+                                           norm_weight, rstd, weight, scale, output_mask);
+         });
+  m.impl("block_read_merge_normed_bwd",
+         [](const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
+            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+            const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
+            const at::Tensor& weight, const at::Tensor& out_rstd, double scale,
+            const c10::List<bool>& output_mask) {
+           return run_block_read_merge_normed_bwd(k, grad_out, partial_out, block_sum, query,
+                                                  norm_weight, out_weight, h, rstd, weight,
+                                                  out_rstd, scale, output_mask);
          });
 }
 
