@@ -200,6 +200,18 @@ bool block_reads_rows_aligned(const SourceTableLayout& layout, scalar_t* const* 
 // Rows of a merge backward's partial sums: one a warp of the grid.
 inline int64_t merge_backward_rows(int64_t grid) { return grid * kBlockReadWarps; }
 
+// Phase 2's backward grid: block_read_grid's, fewer CTAs when a buffer of
+// partial rows (merge_backward_rows x D in the accumulation dtype) would
+// exceed kPartialRowBytes (plan.h, as the one-call backward), but never
+// fewer than one CTA an SM (sm_count <= 0: unknown). A function of the
+// shape and the device only: the same rows, the same bits, every run.
+inline int64_t merge_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_count, int64_t D,
+                                   int64_t acc_size) {
+  const int64_t cta_bytes = std::max<int64_t>(1, kBlockReadWarps * D * acc_size);
+  const int64_t cap = std::max<int64_t>(std::max<int64_t>(1, sm_count), kPartialRowBytes / cta_bytes);
+  return std::min(block_read_grid(T, resident_ctas), cap);
+}
+
 // Whether a merge backward can take 16-byte packs: every row it reads or
 // writes (the outputs are contiguous).
 template <typename scalar_t>

@@ -26,6 +26,8 @@ namespace attnres {
 namespace cuda {
 namespace {
 
+int64_t sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
 int64_t resident_block_read_ctas() {
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   return static_cast<int64_t>(props->multiProcessorCount) *
@@ -146,7 +148,8 @@ void sum_rows(const at::Tensor& partial, int64_t rows, int D, at::Tensor& out,
 // of the warps' partial rows (z, and the fused norm's weight gradient).
 void merge_backward(const MergeBackwardCall& call) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t grid = block_read_grid(call.T, resident_block_read_ctas());
+  const int64_t grid = merge_backward_grid(call.T, resident_block_read_ctas(), sm_count(), call.D,
+                                           static_cast<int64_t>(call.u.element_size()));
   const int64_t rows = merge_backward_rows(grid);
   const int D = static_cast<int>(call.D);
   AT_DISPATCH_FLOATING_TYPES_AND2(

@@ -449,7 +449,7 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
     }
   }
   // The kernel, then the fixed-order sums of its partial rows.
-  const int64_t grid = c.grid > 0 ? c.grid : block_read_grid(T, 0);
+  const int64_t grid = c.grid > 0 ? c.grid : merge_backward_grid(T, 0, 0, D, sizeof(acc_t));
   const int64_t rows = merge_backward_rows(grid);
   const acc_t nan = static_cast<acc_t>(NAN);
   std::vector<scalar_t> dy(c.want_all ? T * D : 0, static_cast<scalar_t>(NAN)), dP(T * D, static_cast<scalar_t>(NAN));
@@ -551,12 +551,36 @@ int run_dtype(std::mt19937_64& rng) {
   return chk.failures;
 }
 
+// merge_backward_grid: the partial rows stay within kPartialRowBytes, never
+// below one CTA an SM, and short inputs keep block_read_grid's grid.
+int check_merge_backward_grid() {
+  struct Rule {
+    int64_t T, resident, sms, D, acc;
+    int64_t want;
+  };
+  const Rule rules[] = {
+      {int64_t{1} << 20, 8448, 132, 1024, 4, (int64_t{32} << 20) / (4 * 1024 * 4)},  // 2048
+      {int64_t{1} << 20, 8448, 132, 16384, 8, 132},  // the cap (64) is below one CTA an SM
+      {4000, 8448, 132, 1024, 4, 1000},              // a warp a token
+      {5, 0, 0, 64, 8, 2},                           // the emulation's grids
+  };
+  int failures = 0;
+  for (const Rule& r : rules) {
+    const int64_t got = merge_backward_grid(r.T, r.resident, r.sms, r.D, r.acc);
+    const bool ok = got == r.want;
+    failures += ok ? 0 : 1;
+    std::printf("%s merge_backward_grid(T=%ld, D=%ld, acc=%ld) = %ld (want %ld)\n",
+                ok ? "ok  " : "FAIL", long(r.T), long(r.D), long(r.acc), long(got), long(r.want));
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
   std::mt19937_64 rng(2026);
-  int failures = 0;
+  int failures = check_merge_backward_grid();
   if (only.empty() || only == "float64") failures += run_dtype<double>(rng);
   if (only.empty() || only == "float32") failures += run_dtype<float>(rng);
   if (only.empty() || only == "bfloat16") failures += run_dtype<c10::BFloat16>(rng);
