@@ -462,10 +462,11 @@ template <typename scalar_t, int VEC, bool kNorm>
 __global__ void __launch_bounds__(kBlockReadThreads)
     block_read_merge_bwd_kernel(const __grid_constant__ MergeBackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
-  using W = typename math::WideType<acc_t>::type;
   // fp64 has no wider type on the device: no rare path there (as the
-  // one-call backward, docs/design.md §8).
-  constexpr bool kHasRarePath = !std::is_same<W, acc_t>::value;
+  // one-call backward, docs/design.md §8). Decided by acc_t, not by
+  // WideType, which is long double in the host build of the emulation: the
+  // emulation then runs the device's paths.
+  constexpr bool kHasRarePath = !std::is_same<acc_t, double>::value;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int D = p.D;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);

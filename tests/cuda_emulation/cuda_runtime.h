@@ -14,6 +14,12 @@
 // no longer complete (a barrier in divergent code, a thread that returned
 // early) fail the launch instead of hanging it. Slow, but it executes the
 // real kernel source with real thread/lane indices, reductions and barriers.
+// Limits: static `__shared__` arrays keep the previous block's contents
+// (only the dynamic shared memory is refilled with garbage per block), so a
+// missing barrier before a read of static shared data that every block
+// writes identically goes unseen; the kernels keep such data (u) in dynamic
+// shared memory and use static arrays only for per-block reductions. A
+// one-block launch runs in ascending order only.
 // cp.async (ATTNRES_EMULATED_CP_ASYNC) is queued per thread and commit group
 // and performed only at the wait_group that retires its group, so a read of
 // a stage before its wait finds the stage's old bytes; with
@@ -46,6 +52,7 @@
 #endif
 #endif
 #ifdef ATTNRES_EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -125,6 +132,9 @@ struct BlockState {
 };
 
 inline BlockState* block_state = nullptr;
+// Set when a launch failed with threads left mid-kernel: their stacks may
+// hold AddressSanitizer's poisoned redzones, cleared before the next launch.
+inline bool fiber_stacks_abandoned = false;
 inline std::vector<unsigned char> dynamic_smem_buffer;
 
 inline unsigned char* dynamic_smem() { return dynamic_smem_buffer.data(); }
@@ -291,6 +301,12 @@ inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
   gridDim.x = grid;
   blockDim.x = threads;
   std::vector<Fiber>& fibers = fiber_pool(threads);
+#ifdef ATTNRES_EMU_ASAN
+  if (fiber_stacks_abandoned) {
+    for (Fiber& f : fibers) __asan_unpoison_memory_region(f.stack, kFiberStack);
+  }
+#endif
+  fiber_stacks_abandoned = false;
   for (unsigned b = 0; b < grid; ++b) {
     dynamic_smem_buffer.assign(smem_bytes + kCanary, 0xCD);
     std::fill(dynamic_smem_buffer.begin() + static_cast<std::ptrdiff_t>(smem_bytes),
@@ -332,6 +348,8 @@ inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
 #endif
         if (state.error) {
           block_state = nullptr;
+          fiber_stacks_abandoned = true;
+          async_copies_left = false;
           std::rethrow_exception(state.error);
         }
         if (fibers[t].done) --left;
@@ -340,6 +358,8 @@ inline void launch(unsigned grid, unsigned threads, size_t smem_bytes,
       // every thread left waits at a barrier that cannot complete.
       if (left > 0 && state.progress == progress_before) {
         block_state = nullptr;
+        fiber_stacks_abandoned = true;
+        async_copies_left = false;
         throw std::runtime_error("emulated launch: block " + std::to_string(b) + " deadlocked: " +
                                  std::to_string(left) +
                                  " thread(s) wait at barriers the other threads never reach");

@@ -9,10 +9,14 @@
 //   3. a __syncthreads in divergent code fails the launch (no hang);
 //   4. a thread returning early while the others wait at a barrier fails
 //      the launch (no hang);
-//   5. a launch after a failed one runs normally.
+//   5. a launch after a failed one runs normally, also when the failed one
+//      left threads deep in instrumented frames and the next one passes a
+//      stack buffer to uninstrumented code (under AddressSanitizer the
+//      abandoned stacks' redzones must not be seen again).
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -48,6 +52,33 @@ bool exchange_correct(const std::vector<int>& out, unsigned block) {
     if (out[block * kThreads + t] != static_cast<int>(block * 1000 + (t + 1) % kThreads + 1)) return false;
   }
   return true;
+}
+
+// Instrumented frames with stack redzones, then a barrier only some
+// threads reach: the launch fails with these frames live.
+__attribute__((noinline)) void deep_then_diverge(int depth) {
+  volatile char frame[8];
+  volatile char* volatile p = frame;
+  p[0] = 1;
+  if (depth > 0) {
+    deep_then_diverge(depth - 1);
+    return;
+  }
+  if (threadIdx.x < 32) __syncthreads();
+}
+
+void* (*volatile memset_fn)(void*, int, size_t) = &std::memset;
+
+// A stack buffer handed to an intercepted libc call from a frame the
+// sanitizer does not instrument (as library code).
+#if defined(__SANITIZE_ADDRESS__)
+__attribute__((no_sanitize_address))
+#endif
+__attribute__((noinline)) int uninstrumented_stack_use() {
+  char buffer[2048];
+  memset_fn(buffer, 1, sizeof buffer);
+  asm volatile("" ::"r"(buffer) : "memory");
+  return buffer[17];
 }
 
 bool launch_fails(const std::function<void()>& body, const std::string& expect) {
@@ -125,6 +156,12 @@ int main() {
     const std::vector<int> again = neighbour_exchange(true, 3);
     check(exchange_correct(again, 0) && exchange_correct(again, 1) && exchange_correct(again, 2),
           "a launch after a failed launch runs normally");
+    const bool failed = launch_fails([] { deep_then_diverge(20); }, "deadlocked");
+    std::vector<int> seen(kThreads, 0);
+    emu::launch(1, kThreads, 0, [&] { seen[threadIdx.x] = uninstrumented_stack_use(); });
+    bool all = true;
+    for (int v : seen) all = all && v == 1;
+    check(failed && all, "stacks abandoned deep in a failed launch are reused cleanly");
   }
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

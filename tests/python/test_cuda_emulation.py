@@ -144,4 +144,4 @@ def test_emulated_runtime(runtime_selftest):
     result = subprocess.run([str(runtime_selftest)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failure(s)" in result.stdout
-    assert result.stdout.count("ok ") == 6, result.stdout
+    assert result.stdout.count("ok ") == 7, result.stdout
