@@ -245,6 +245,23 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         ok = max(errs) <= 2 * tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"merge backward: max rel err {max(errs):.2g}")
+        # Phase 1's backward (block_reads_bwd and its normed form, the lse's
+        # gradient included): every gradient, CUDA vs CPU.
+        outs = []
+        for dev in ("cpu", DEV):
+            s_ = [s.to(dev) for s in src]
+            qs = torch.stack([q, 0.5 * q, -q]).to(dev)
+            gl = torch.linspace(-1, 1, 3 * t, device=dev).reshape(3, t)
+            gp = [dh.to(dev), (0.5 * dh).to(dev), (-dh).to(dev)]
+            _, lse, r, a = torch.ops.attnres.block_reads_fwd(s_, qs, None, 1e-6, 0.8)
+            b = torch.ops.attnres.block_reads_bwd(gp, gl.to(lse.dtype), s_, qs, None, r, a, 0.8, [True] * (n + 2))
+            _, lse, r, a, hn, ron = torch.ops.attnres.block_reads_normed_fwd(s_, qs, None, ow.to(dev), 1e-6, 0.8, 1e-5, True)
+            bn = torch.ops.attnres.block_reads_normed_bwd(gp, gl.to(lse.dtype), s_, qs, None, ow.to(dev), hn, r, a, ron, 0.8, [True] * (n + 3))
+            outs.append([*b[0], b[1], *bn[0], bn[1], bn[3]])
+        errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
+        ok = max(errs) <= 2 * tol
+        bad += not ok
+        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"reads backward: max rel err {max(errs):.2g}")
 print(f"smoke check: {bad} failure(s)")
 PY
   echo "smoke rc=$?"
@@ -520,6 +537,12 @@ for dtype, n, t, d, layout in cases:
         parts, lse = attnres.block_reads(x, qs, None)
         attnres.block_read_merge(parts[1], lse[1], x[0], qs[1], out_weight=ow)
         block_read_merge_inplace(parts[2], lse[2], x[0], qs[2])
+    # Phase 1's backward, plain and normed, with the lse's gradient.
+    _, lse1, r1, a1 = torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0)
+    gl1 = torch.ones_like(lse1)
+    torch.ops.attnres.block_reads_bwd([x[0]] * 3, gl1, x, qs, None, r1, a1, 1.0, [True] * (n + 2))
+    _, lse1, r1, a1, h1, ro1 = torch.ops.attnres.block_reads_normed_fwd(x, qs, None, ow, 1e-6, 1.0, 1e-5, True)
+    torch.ops.attnres.block_reads_normed_bwd([x[0]] * 3, gl1, x, qs, None, ow, h1, r1, a1, ro1, 1.0, [True] * (n + 3))
     # Phase 2's backward, plain and normed (out_weight's gradient wanted or not).
     y2, r2, a2 = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
     torch.ops.attnres.block_read_merge_bwd(y2, parts[1], x[0], qs[1], None, r2, a2, 1.0, [True] * 5)

@@ -291,14 +291,11 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
       {p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight, &norm});
 }
 
-namespace {
+// ---- the backward ops' host sequence of every device (block_read_sequence.h) ----
 
-// ---- the CPU's backward host sequence ----------------------------------------
-
-
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
-    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
-    at::TensorList sources, const at::Tensor& queries,
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> run_block_reads_bwd(
+    const BlockReadKernels& k, at::TensorList grad_partial_outs,
+    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
     const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
     const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
   const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, 0.0, scale);
@@ -313,7 +310,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
   check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
   check_mask(output_mask, p.N + 2, "each source, queries, norm_weights");
-  check_cpu_capability();
+  if (k.check_device) k.check_device();
+  const c10::DeviceGuard guard(src0.device());
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
@@ -326,20 +324,17 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> block_reads_bwd_cpu(
   if (p.T > 0) {
     const at::Tensor u = effective_query(queries, norm_weights, scale, acc);
     const at::Tensor dlse = is_defined(grad_lse) ? grad_lse->contiguous() : at::Tensor();
-    cpu::block_reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
+    k.reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
                                rstd.contiguous(), weights.contiguous(), grads, z});
   }
   return finish_backward(grads, z, queries, norm_weights, scale, want_query, want_gain);
 }
 
 
-
-// ---- phase 1 with reader 0's output norm (docs/design.md §11) -----------------
-
-
-BlockReadsNormedBackward block_reads_normed_bwd_cpu(
-    at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
-    at::TensorList sources, const at::Tensor& queries,
+// Phase 1 with reader 0's output norm (docs/design.md §11).
+BlockReadsNormedBackward run_block_reads_normed_bwd(
+    const BlockReadKernels& k, at::TensorList grad_partial_outs,
+    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
     const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
     const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
     const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask) {
@@ -358,7 +353,8 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
   check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
   check_stat(out_rstd, "out_rstd", p.lead_shape, acc, src0);
   check_mask(output_mask, p.N + 3, "each source, queries, norm_weights, out_weight");
-  check_cpu_capability();
+  if (k.check_device) k.check_device();
+  const c10::DeviceGuard guard(src0.device());
   std::vector<at::Tensor> grads(p.N);
   for (int64_t i = 0; i < p.N; ++i) {
     if (output_mask.get(i)) {
@@ -375,7 +371,7 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
     const at::Tensor w = out_weight.to(acc).contiguous();
     const at::Tensor out_rstd_c = out_rstd.contiguous();
     const OutNormBackward norm{w, out_rstd_c, d_out_weight};
-    cpu::block_reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
+    k.reads_backward({p.N, S, p.D, p.T, grad_partial_outs, dlse, sources, u,
                                rstd.contiguous(), weights.contiguous(), grads, z, &norm, &h});
   }
   auto [wanted, grad_queries, grad_gains] =
@@ -384,9 +380,7 @@ BlockReadsNormedBackward block_reads_normed_bwd_cpu(
   return {wanted, grad_queries, grad_gains, d_out_weight};
 }
 
-}  // namespace
-
-// ---- phase 2's backward host sequence of every device (block_read_sequence.h) ----
+// Phase 2.
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_bwd(
     const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
@@ -997,38 +991,13 @@ MergeNormedBackward block_read_merge_normed_bwd_autograd(
 
 constexpr BlockReadKernels kCpuBlockReadKernels{&check_cpu_capability, &cpu::block_reads_forward,
                                                 &cpu::block_read_merge_forward,
-                                                &cpu::block_read_merge_backward};
+                                                &cpu::block_read_merge_backward,
+                                                &cpu::block_reads_backward};
 
 }  // namespace
 
-void block_read_no_kernel(const char* op, const char* device) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "attnres::", op, " has no ", device,
-                              " kernel yet: on ", device,
-                              " the two-phase Block reads run without autograd only "
-                              "(attnres.DepthStream reads one-call there while gradients are "
-                              "enabled; docs/design.md §10)");
-}
-
-void register_block_read_backward_missing_cuda(torch::Library& m) {
-  m.impl("block_reads_bwd",
-         [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
-            const c10::List<bool>&) -> std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> {
-           block_read_no_kernel("block_reads_bwd", "CUDA");
-         });
-  m.impl("block_reads_normed_bwd",
-         [](at::TensorList, const std::optional<at::Tensor>&, at::TensorList, const at::Tensor&,
-            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-            const c10::List<bool>&) -> BlockReadsNormedBackward {
-           block_read_no_kernel("block_reads_normed_bwd", "CUDA");
-         });
-}
-
 TORCH_LIBRARY_IMPL(attnres, CPU, m) {
   register_block_read_kernels<kCpuBlockReadKernels>(m);
-  m.impl("block_reads_bwd", &block_reads_bwd_cpu);
-  m.impl("block_reads_normed_bwd", &block_reads_normed_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) {

@@ -1,8 +1,8 @@
 // Device side of the two-phase Block reads (docs/design.md §10): phase 1
 // (block_reads_fwd_kernel: S readers over the N completed sources, read once
 // from memory), phase 2 (block_read_merge_kernel: one reader's exact merge
-// with the partial block sum) and phase 2's backward
-// (block_read_merge_bwd_kernel). The per-token formulas are those
+// with the partial block sum), phase 2's backward (block_read_merge_bwd_kernel)
+// and phase 1's (block_reads_bwd_kernel). The per-token formulas are those
 // of attnres/depth_math.h and of the CPU kernels (cpu/block_reads_cpu.cpp),
 // in the same order: sums of the raw row (the range rescue of rows near the
 // dtype's limits by the same power-of-two factors, §8), per-reader online
@@ -531,6 +531,283 @@ __global__ void __launch_bounds__(kBlockReadThreads)
   if (!started) {  // a warp past the last token: its rows are zero
     for (int d = lane; d < D; d += 32) {
       if (z_row) z_row[d] = acc_t(0);
+      if (dw_row) dw_row[d] = acc_t(0);
+    }
+  }
+}
+
+// ---- phase 1's backward -------------------------------------------------------
+// One warp a token (as cpu block_reads_backward_impl): for the S readers at
+// once, with dh_s = dy_s (reader 0's from dy_0 and h_0 with the fused norm),
+//   dp_{s,i} = <dh_s, v_i>, ds_{s,i} = a_{s,i} (dp_{s,i} - sum_j a_{s,j} dp_{s,j}
+//   + dlse_s) (pivoted, depth_math.h), alpha = ds r_i, beta = -alpha r_i s / D,
+//   dv_i = sum_s (a_{s,i} dh_s + alpha_{s,i} u_s) + (sum_s beta_{s,i}) v_i,
+//   z_s += sum_i alpha_{s,i} v_i,
+// each source's gradient written once. Sweep 1 reads each row once from
+// memory for its 2 x kReadersPerSweep dots a sweep; lane s then forms reader
+// s's coefficients, lane i the sum of the readers' betas; sweep 2 reads the
+// rows again (L1/L2).
+
+// The gradient entry of source i at token t (null: not wanted).
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t* source_grad_row(const SourceTable& table,
+                                                     const SourceEntry* overflow, int i, int64_t t,
+                                                     int D) {
+  const SourceEntry& e = i < kTableCapacity ? table.first[i] : overflow[i - kTableCapacity];
+  return e.grad ? static_cast<scalar_t*>(e.grad) + t * D : nullptr;
+}
+
+// Reader s's dh at pack j of token t: dy_s, or reader 0's dh_0 = r_o (g w -
+// c n) of the fused norm (nr = r_o, nc = c).
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ void reader_grad(const BlockReadsBackwardParams<scalar_t>& p, int s,
+                                            int64_t t, int j, at::opmath_type<scalar_t> nr,
+                                            at::opmath_type<scalar_t> nc,
+                                            at::opmath_type<scalar_t> (&out)[VEC]) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* g = source_row<scalar_t>(p.dy_table, p.dy_overflow, s, t);
+  const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+  if (s == 0 && p.h) {
+    const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(p.h + t * p.h_stride + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      out[e] = math::out_norm_grad(nr, static_cast<acc_t>(gv.x[e]) * p.norm_weight[j + e], nc,
+                                   static_cast<acc_t>(hv.x[e]) * nr);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out[e] = static_cast<acc_t>(gv.x[e]);
+  }
+}
+
+// Sweep 1 of one token in sum_t (acc_t, or WideType on the rare tokens):
+// dot[s, i] = <dh_s, v_i> (0 without dy) and coef[s, i] = the score r_i
+// <u_s, v_i>, written by lane 0 at (s * N + i) * T + t.
+template <typename scalar_t, int VEC, typename sum_t>
+__device__ __forceinline__ void reads_bwd_dots(const BlockReadsBackwardParams<scalar_t>& p,
+                                               int64_t t, at::opmath_type<scalar_t> nr,
+                                               at::opmath_type<scalar_t> nc, sum_t* dot,
+                                               sum_t* coef) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int R = kReadersPerSweep;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t T = p.T;
+  const int N = p.N, S = p.S, D = p.D;
+  for (int i = 0; i < N; ++i) {
+    const scalar_t* v = source_row<scalar_t>(p.table, p.overflow, i, t);
+    const sum_t r_i = static_cast<sum_t>(p.rstd[static_cast<int64_t>(i) * T + t]);
+    for (int s0 = 0; s0 < S; s0 += R) {
+      sum_t sums[2 * R];  // <dh_{s0+r}, v> at r, <u_{s0+r}, v> at R + r
+#pragma unroll
+      for (int r = 0; r < 2 * R; ++r) sums[r] = sum_t(0);
+      for (int j = lane * VEC; j < D; j += 32 * VEC) {
+        const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int s = s0 + r;
+          if (s >= S) continue;
+          acc_t gd[VEC];
+          if (p.has_dy) reader_grad<scalar_t, VEC>(p, s, t, j, nr, nc, gd);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const sum_t xv = static_cast<sum_t>(static_cast<acc_t>(x.x[e]));
+            if (p.has_dy) sums[r] += static_cast<sum_t>(gd[e]) * xv;
+            sums[R + r] += static_cast<sum_t>(p.u[static_cast<int64_t>(s) * D + j + e]) * xv;
+          }
+        }
+      }
+      warp_allreduce<32>(sums, 32);
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int s = s0 + r;
+          if (s >= S) continue;
+          const int64_t at_si = (static_cast<int64_t>(s) * N + i) * T + t;
+          dot[at_si] = p.has_dy ? sums[r] : sum_t(0);
+          coef[at_si] = math::score(r_i, sums[R + r]);
+        }
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// The coefficients of one token in sum_t: lane s for reader s turns dot
+// into beta_{s,i} and coef into alpha_{s,i}; then lane i sums the readers'
+// betas into beta_i (reader order, as the CPU). Returns whether a sum or
+// coefficient left acc_t's range (math::backward_row_is_rare; the same on
+// every lane).
+template <typename scalar_t, typename sum_t>
+__device__ __forceinline__ bool reads_bwd_coefficients(const BlockReadsBackwardParams<scalar_t>& p,
+                                                       int64_t t, sum_t* dot, sum_t* coef,
+                                                       sum_t* beta) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t T = p.T;
+  const int N = p.N, S = p.S, D = p.D;
+  bool rare = false;
+  for (int s = lane; s < S; s += 32) {
+    const int64_t row = static_cast<int64_t>(s) * N * T + t;
+    const acc_t* w = p.weights + row;
+    math::Pivot<acc_t> pivot;  // on the acc_t weights, as the CPU
+    for (int i = 0; i < N; ++i) pivot.see(i, w[static_cast<int64_t>(i) * T]);
+    const int piv = pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
+    const sum_t dp_piv = piv >= 0 ? dot[row + static_cast<int64_t>(piv) * T] : sum_t(0);
+    sum_t sum_rel = sum_t(0);
+    for (int j = 0; j < N; ++j) {
+      if (j != piv) {
+        sum_rel += static_cast<sum_t>(w[static_cast<int64_t>(j) * T]) *
+                   (dot[row + static_cast<int64_t>(j) * T] - dp_piv);
+      }
+    }
+    if (p.grad_lse) sum_rel -= static_cast<sum_t>(p.grad_lse[static_cast<int64_t>(s) * T + t]);
+    for (int i = 0; i < N; ++i) {
+      const int64_t at_si = row + static_cast<int64_t>(i) * T;
+      const sum_t a = static_cast<sum_t>(w[static_cast<int64_t>(i) * T]);
+      const sum_t r = static_cast<sum_t>(p.rstd[static_cast<int64_t>(i) * T + t]);
+      const sum_t su = coef[at_si], dp_rel = dot[at_si] - dp_piv;
+      const auto g = math::source_grad_coefficients<sum_t>(a, r, su, dp_rel, sum_rel, D);
+      if constexpr (std::is_same<sum_t, acc_t>::value) {
+        rare = rare || math::backward_row_is_rare(a, r, su, dp_rel, sum_rel, g);
+      }
+      coef[at_si] = g.alpha;
+      dot[at_si] = g.beta;
+    }
+  }
+  __syncwarp();
+  for (int i = lane; i < N; i += 32) {
+    sum_t b = sum_t(0);
+    for (int s = 0; s < S; ++s) b += dot[(static_cast<int64_t>(s) * N + i) * T + t];
+    beta[static_cast<int64_t>(i) * T + t] = b;
+    if constexpr (std::is_same<sum_t, acc_t>::value) {
+      // The readers' betas summed past the range (each one in it).
+      rare = rare || math::abs_acc(b) > math::RangeConstants<acc_t>::kMax;
+    }
+  }
+  return __any_sync(0xffffffffu, rare);
+}
+
+// Sweep 2 of one token in sum_t: dv_i (written once, rounded to acc_t then
+// scalar_t) and the warp's z rows (z_first: the warp's first token stores).
+template <typename scalar_t, int VEC, typename sum_t>
+__device__ __forceinline__ void reads_bwd_sweep(const BlockReadsBackwardParams<scalar_t>& p,
+                                                int64_t t, at::opmath_type<scalar_t> nr,
+                                                at::opmath_type<scalar_t> nc, const sum_t* coef,
+                                                const sum_t* beta,
+                                                at::opmath_type<scalar_t>* z_rows, bool started) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t T = p.T;
+  const int N = p.N, S = p.S, D = p.D;
+  for (int i = 0; i < N; ++i) {
+    scalar_t* dv = source_grad_row<scalar_t>(p.table, p.overflow, i, t, D);
+    if (!dv && !z_rows) continue;
+    const scalar_t* v = source_row<scalar_t>(p.table, p.overflow, i, t);
+    const sum_t B = beta[static_cast<int64_t>(i) * T + t];
+    const bool z_first = !started && i == 0;
+    for (int j = lane * VEC; j < D; j += 32 * VEC) {
+      const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
+      sum_t g[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) g[e] = B * static_cast<sum_t>(static_cast<acc_t>(x.x[e]));
+      for (int s = 0; s < S; ++s) {
+        const int64_t at_si = (static_cast<int64_t>(s) * N + i) * T + t;
+        const sum_t a = static_cast<sum_t>(p.weights[at_si]);
+        const sum_t alpha = coef[at_si];
+        if (p.has_dy) {
+          acc_t gd[VEC];
+          reader_grad<scalar_t, VEC>(p, s, t, j, nr, nc, gd);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) g[e] += a * static_cast<sum_t>(gd[e]);
+        }
+        const acc_t* u = p.u + static_cast<int64_t>(s) * D + j;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) g[e] += alpha * static_cast<sum_t>(u[e]);
+        if (z_rows) {
+          acc_t* z = z_rows + static_cast<int64_t>(s) * D + j;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const acc_t zv =
+                static_cast<acc_t>(alpha * static_cast<sum_t>(static_cast<acc_t>(x.x[e])));
+            z[e] = z_first ? zv : z[e] + zv;
+          }
+        }
+      }
+      if (dv) {
+        Pack<scalar_t, VEC> o;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o.x[e] = static_cast<scalar_t>(static_cast<acc_t>(g[e]));
+        store_global<scalar_t, VEC>(dv + j, o);
+      }
+    }
+  }
+}
+
+// The rare tokens: sweeps and coefficients again in double (float
+// accumulation only), in the wide scratch; out of line.
+template <typename scalar_t, int VEC>
+__device__ ATTNRES_NOINLINE void reads_bwd_token_wide(const BlockReadsBackwardParams<scalar_t>& p,
+                                                      int64_t t, at::opmath_type<scalar_t> nr,
+                                                      at::opmath_type<scalar_t> nc,
+                                                      at::opmath_type<scalar_t>* z_rows,
+                                                      bool started) {
+  reads_bwd_dots<scalar_t, VEC, double>(p, t, nr, nc, p.wide_dot, p.wide_coef);
+  reads_bwd_coefficients<scalar_t, double>(p, t, p.wide_dot, p.wide_coef, p.wide_beta);
+  __syncwarp();
+  reads_bwd_sweep<scalar_t, VEC, double>(p, t, nr, nc, p.wide_coef, p.wide_beta, z_rows, started);
+}
+
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kBlockReadThreads)
+    block_reads_bwd_kernel(const __grid_constant__ BlockReadsBackwardParams<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  // fp64 has no wider type on the device (docs/design.md §8): no rare path.
+  constexpr bool kHasRarePath = !std::is_same<acc_t, double>::value;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int D = p.D;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kBlockReadWarps;
+  acc_t* z_rows = p.z_rows ? p.z_rows + warp * p.S * D : nullptr;
+  acc_t* dw_row = p.dw_rows ? p.dw_rows + warp * D : nullptr;
+  bool started = false;
+  for (int64_t t = warp; t < p.T; t += warps) {
+    // Reader 0's fused norm: c = <dy_0 w, h_0 r_o> / D, and dw += dy_0 n.
+    acc_t nr = acc_t(0), nc = acc_t(0);
+    if (p.h && p.has_dy) {
+      nr = p.norm_rstd[t];
+      const scalar_t* g0 = source_row<scalar_t>(p.dy_table, p.dy_overflow, 0, t);
+      const scalar_t* h0 = p.h + t * p.h_stride;
+      acc_t c[1] = {acc_t(0)};
+      for (int j = lane * VEC; j < D; j += 32 * VEC) {
+        const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g0 + j);
+        const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(h0 + j);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const acc_t ge = static_cast<acc_t>(gv.x[e]);
+          const acc_t n = static_cast<acc_t>(hv.x[e]) * nr;
+          c[0] += (ge * p.norm_weight[j + e]) * n;
+          if (dw_row) dw_row[j + e] = started ? dw_row[j + e] + ge * n : ge * n;
+        }
+      }
+      warp_allreduce<32>(c, 32);
+      nc = c[0] / static_cast<acc_t>(D);
+    }
+    reads_bwd_dots<scalar_t, VEC, acc_t>(p, t, nr, nc, p.dot_scratch, p.coef_scratch);
+    const bool rare = reads_bwd_coefficients<scalar_t, acc_t>(p, t, p.dot_scratch,
+                                                              p.coef_scratch, p.beta);
+    __syncwarp();
+    if (kHasRarePath && rare) {
+      if constexpr (kHasRarePath) reads_bwd_token_wide<scalar_t, VEC>(p, t, nr, nc, z_rows, started);
+    } else {
+      reads_bwd_sweep<scalar_t, VEC, acc_t>(p, t, nr, nc, p.coef_scratch, p.beta, z_rows, started);
+    }
+    started = true;
+  }
+  if (!started) {  // a warp past the last token: its rows are zero
+    for (int d = lane; d < p.S * D; d += 32) {
+      if (z_rows) z_rows[d] = acc_t(0);
+    }
+    for (int d = lane; d < D; d += 32) {
       if (dw_row) dw_row[d] = acc_t(0);
     }
   }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernel_params.h"  // SourceTableLayout
 #include "launch.h"
@@ -93,6 +94,42 @@ struct MergeBackwardParams {
   int64_t T;
   int D;
 };
+
+// Phase 1's backward (S readers at once): each source's gradient written
+// once (every reader's term summed per element), and the queries' gradient
+// z [S, D] (and reader 0's norm weight's) as one partial row block a warp.
+// Per token scratch: the sums <dy_s, v_i> and scores, then the coefficients.
+template <typename scalar_t>
+struct BlockReadsBackwardParams {
+  using acc_t = at::opmath_type<scalar_t>;
+  SourceTable table;               // the sources; entry.grad: dv_i [T, D] contiguous, or null
+  const SourceEntry* overflow;     // sources kTableCapacity.. (device memory)
+  SourceTable dy_table;            // the S gradients of the partial outputs (no grad)
+  const SourceEntry* dy_overflow;  // readers kTableCapacity..
+  bool has_dy;                     // false: no partial output has a gradient
+  const acc_t* u;                  // [S, D]
+  const acc_t* rstd;               // [N, T]
+  const acc_t* weights;            // [S, N, T]
+  const acc_t* grad_lse;           // [S, T], or null
+  acc_t* dot_scratch;              // [S, N, T]: <dy_s, v_i>, then beta_{s,i}
+  acc_t* coef_scratch;             // [S, N, T]: scores, then alpha_{s,i}
+  acc_t* beta;                     // [N, T]: sum_s beta_{s,i}
+  double* wide_dot;                // [S, N, T] the rare tokens' (float accumulation only)
+  double* wide_coef;               // [S, N, T]
+  double* wide_beta;               // [N, T]
+  acc_t* z_rows;                   // [warps, S, D], or null
+  acc_t* dw_rows;                  // [warps, D] (reader 0's norm weight), or null
+  // Reader 0's fused output norm (its dy is that of y_0; h_0 saved).
+  const scalar_t* h;               // rows h_stride apart, or null: no norm
+  int64_t h_stride;
+  const acc_t* norm_weight;        // [D]
+  const acc_t* norm_rstd;          // [T]
+  int64_t T;
+  int N, S, D;
+};
+
+static_assert(sizeof(BlockReadsBackwardParams<double>) <= kMaxKernelParamBytes,
+              "phase-1 backward parameters exceed 4 KiB");
 
 static_assert(sizeof(BlockReadsParams<double>) <= 4096 && sizeof(MergeParams<double>) <= 4096,
               "block read kernel parameters exceed 4 KiB");
@@ -212,6 +249,13 @@ inline int64_t merge_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_
   return std::min(block_read_grid(T, resident_ctas), cap);
 }
 
+// Phase 1's backward grid: as merge_backward_grid, for partial row blocks of
+// S rows (z) a warp.
+inline int64_t reads_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_count, int64_t S,
+                                   int64_t D, int64_t acc_size) {
+  return merge_backward_grid(T, resident_ctas, sm_count, S * D, acc_size);
+}
+
 // Whether a merge backward can take 16-byte packs: every row it reads or
 // writes (the outputs are contiguous).
 template <typename scalar_t>
@@ -223,6 +267,22 @@ bool merge_backward_rows_aligned(const MergeBackwardParams<scalar_t>& p, int nat
          (!p.h || rows_aligned(p.h, p.h_stride, p.T, natural, es)) &&
          (!p.grad_partial || rows_aligned(p.grad_partial, p.D, p.T, natural, es)) &&
          (!p.grad_block || rows_aligned(p.grad_block, p.D, p.T, natural, es));
+}
+
+// Whether phase 1's backward can take 16-byte packs: the sources, the
+// partial outputs' gradients (dys, or null), h and the source gradients.
+// grads: each source's gradient [T, D] contiguous, or null.
+template <typename scalar_t>
+bool reads_backward_rows_aligned(const BlockReadsBackwardParams<scalar_t>& p,
+                                 const SourceTableLayout& sources, const SourceTableLayout* dys,
+                                 const std::vector<const void*>& grads, int natural) {
+  const size_t es = sizeof(scalar_t);
+  bool aligned = sources.vector_aligned && (!dys || dys->vector_aligned) &&
+                 (!p.h || rows_aligned(p.h, p.h_stride, p.T, natural, es));
+  for (const void* g : grads) {
+    if (g) aligned = aligned && rows_aligned(g, p.D, p.T, natural, es);
+  }
+  return aligned;
 }
 
 // Whether a merge can take 16-byte packs: every row it reads or writes.

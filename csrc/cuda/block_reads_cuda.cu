@@ -1,10 +1,9 @@
-// CUDA kernels of the two-phase Block reads' forward ops and phase 2's
-// backward (docs/design.md §10): the device side of the host sequence in
+// CUDA kernels of the two-phase Block read ops, forward and backward
+// (docs/design.md §10): the device side of the host sequence in
 // attnres/block_read_sequence.h (checks, u and the outputs are shared with
 // the CPU). Launched on the current stream with no host synchronization and
 // no host->device copies (capturable in a CUDA graph), like
-// depth_attention_cuda.cu. Phase 1's backward ops have no CUDA kernel yet:
-// they raise NotImplementedError here.
+// depth_attention_cuda.cu.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -210,14 +209,112 @@ void merge_backward(const MergeBackwardCall& call) {
       });
 }
 
+template <typename scalar_t, int VEC>
+void launch_reads_backward(const BlockReadsBackwardParams<scalar_t>& p, int64_t grid,
+                           cudaStream_t stream) {
+  block_reads_bwd_kernel<scalar_t, VEC>
+      <<<static_cast<unsigned>(grid), kBlockReadThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Phase 1's backward: one launch over the tokens (per-token scratch for the
+// readers' sums and coefficients), then the fixed-order sums of the warps'
+// partial rows (z [S, D], and reader 0's norm weight gradient).
+void reads_backward(const BlockReadsBackwardCall& call) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t N = call.N, S = call.S, D = call.D, T = call.T;
+  const int64_t grid = reads_backward_grid(T, resident_block_read_ctas(), sm_count(), S, D,
+                                           static_cast<int64_t>(call.u.element_size()));
+  const int64_t rows = merge_backward_rows(grid);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_block_reads_backward_cuda",
+      [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        constexpr int natural = natural_vec<scalar_t>();
+        const auto opts = call.sources[0].options();
+        const auto acc_opts = opts.dtype(c10::CppTypeToScalarType<acc_t>::value);
+        const DeviceSources src(call.sources, &call.grad_sources, T, natural, sizeof(scalar_t),
+                                stream);
+        const bool has_dy = !call.grad_partial_outs.empty();
+        std::optional<DeviceSources> dys;
+        if (has_dy) {
+          dys.emplace(call.grad_partial_outs, nullptr, T, natural, sizeof(scalar_t), stream);
+        }
+        BlockReadsBackwardParams<scalar_t> p{};
+        p.table = src.layout.table;
+        p.overflow = src.overflow_on_device();
+        if (has_dy) {
+          p.dy_table = dys->layout.table;
+          p.dy_overflow = dys->overflow_on_device();
+        }
+        p.has_dy = has_dy;
+        p.u = call.u.const_data_ptr<acc_t>();
+        p.rstd = call.rstd.const_data_ptr<acc_t>();
+        p.weights = call.weights.const_data_ptr<acc_t>();
+        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<acc_t>() : nullptr;
+        // Per-token scratch ([S, N, T] twice, [N, T]); the rare tokens' in
+        // double where the accumulation is float.
+        const at::Tensor dot = at::empty({S, N, T}, acc_opts), coef = at::empty({S, N, T}, acc_opts);
+        const at::Tensor beta = at::empty({N, T}, acc_opts);
+        p.dot_scratch = dot.data_ptr<acc_t>();
+        p.coef_scratch = coef.data_ptr<acc_t>();
+        p.beta = beta.data_ptr<acc_t>();
+        at::Tensor wide_dot, wide_coef, wide_beta;
+        if constexpr (!std::is_same<acc_t, double>::value) {
+          wide_dot = at::empty({S, N, T}, opts.dtype(at::kDouble));
+          wide_coef = at::empty({S, N, T}, opts.dtype(at::kDouble));
+          wide_beta = at::empty({N, T}, opts.dtype(at::kDouble));
+          p.wide_dot = wide_dot.data_ptr<double>();
+          p.wide_coef = wide_coef.data_ptr<double>();
+          p.wide_beta = wide_beta.data_ptr<double>();
+        }
+        at::Tensor z_rows, dw_rows, norm_weight;
+        if (call.z.defined()) {
+          z_rows = at::empty({rows, S, D}, acc_opts);
+          p.z_rows = z_rows.data_ptr<acc_t>();
+        }
+        // Reader 0's fused norm (only where its partial output has a gradient).
+        const OutNormBackward* norm = has_dy ? call.out_norm : nullptr;
+        std::optional<Rows> h;
+        if (norm) {
+          h.emplace(as_rows(*call.h));
+          p.h = h->tensor.const_data_ptr<scalar_t>();
+          p.h_stride = h->row_stride;
+          norm_weight = pack_aligned(norm->weight);
+          p.norm_weight = norm_weight.const_data_ptr<acc_t>();
+          p.norm_rstd = norm->rstd.const_data_ptr<acc_t>();
+          if (norm->grad_weight.defined()) {
+            dw_rows = at::empty({rows, D}, acc_opts);
+            p.dw_rows = dw_rows.data_ptr<acc_t>();
+          }
+        }
+        p.T = T;
+        p.N = static_cast<int>(N);
+        p.S = static_cast<int>(S);
+        p.D = static_cast<int>(D);
+        std::vector<const void*> grads;
+        for (const auto& g : call.grad_sources) grads.push_back(g.defined() ? g.const_data_ptr() : nullptr);
+        const bool aligned = reads_backward_rows_aligned(
+            p, src.layout, has_dy ? &dys->layout : nullptr, grads, natural);
+        if (block_read_vec(aligned, D, natural) == natural) {
+          launch_reads_backward<scalar_t, natural>(p, grid, stream);
+        } else {
+          launch_reads_backward<scalar_t, 1>(p, grid, stream);
+        }
+        if (z_rows.defined()) sum_rows<acc_t>(z_rows, rows, static_cast<int>(S * D), call.z, stream);
+        if (dw_rows.defined()) {
+          sum_rows<acc_t>(dw_rows, rows, static_cast<int>(D), norm->grad_weight, stream);
+        }
+      });
+}
+
 constexpr BlockReadKernels kCudaBlockReadKernels{nullptr, &reads_forward, &merge_forward,
-                                                 &merge_backward};
+                                                 &merge_backward, &reads_backward};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
   register_block_read_kernels<kCudaBlockReadKernels>(m);
-  register_block_read_backward_missing_cuda(m);
 }
 
 }  // namespace cuda

@@ -194,9 +194,9 @@ class DepthStream:
         if self.device.type not in ("cpu", "cuda") or self.dtype not in _TWO_PHASE_DTYPES:
             return False
         if self.device.type == "cuda":
-            # CUDA has the forward kernels only, not yet run on a GPU: used
-            # when asked for ("two_phase") with grad mode off (design §10).
-            return self.block_reads == "two_phase" and not torch.is_grad_enabled()
+            # CUDA kernels for every phase op, not yet run on a GPU: used when
+            # asked for ("two_phase"), training included (design §10).
+            return self.block_reads == "two_phase"
         if self.block_reads == "two_phase":
             return True
         if torch.is_grad_enabled() and self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:

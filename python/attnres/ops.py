@@ -339,11 +339,9 @@ def depth_attention(
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
-# CPU kernels (csrc/cpu/block_reads_cpu.cpp) for all of them; CUDA kernels
-# (csrc/cuda/block_kernels.cuh) for the forward ops and phase 2's backward:
-# on CUDA phase 1's backward ops raise NotImplementedError naming the missing
-# kernel, so a CUDA phase-1 read that needs a gradient raises at backward.
-# Autograd in C++ (csrc/block_reads.cpp), like the ops above.
+# CPU kernels (csrc/cpu/block_reads_cpu.cpp) and CUDA kernels
+# (csrc/cuda/block_kernels.cuh) for all of them. Autograd in C++
+# (csrc/block_reads.cpp), like the ops above.
 
 
 def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
@@ -618,7 +616,7 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     float64 sources). With ``out_weight`` (reader 0's output norm, §11)
     ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
     reader 0's read, which has no partial sum to merge. Differentiable on
-    CPU; forward only on CUDA (its backward raises NotImplementedError)."""
+    CPU and CUDA."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     if out_weight is None:
         partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(

@@ -788,26 +788,38 @@ TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
             attnres::BlockReads::kOneCall);
 }
 
-// CUDA has the two-phase forward kernels only: with grad mode off a CUDA
-// stream reads two-phase (same result as one-call); with it on, one-call
-// (its reads record the one-call op and train).
-TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseOnlyWithGradModeOff) {
+// A CUDA stream reads two-phase when asked (kTwoPhase), training included:
+// its output and every gradient equal the one-call reads'; kAuto reads
+// one-call on CUDA (the kernels have not run on a GPU yet).
+TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseWhenAsked) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device (none visible)";
   at::manual_seed(9);
-  TinyNet net(3);
+  TinyNet net(2);
   net->to(at::kCUDA);
-  const at::Tensor emb = at::randn({2, 5, kD}, at::TensorOptions(at::kDouble).device(at::kCUDA));
+  const at::Tensor emb =
+      at::randn({2, 5, kD}, at::TensorOptions(at::kDouble).device(at::kCUDA)).requires_grad_(true);
+  const at::Tensor grad_out = at::randn({2, 5, kD}, emb.options());
+  Tensors inputs = {emb};
+  for (const auto& p : net->parameters()) inputs.push_back(p);
+  net->block_reads = attnres::BlockReads::kOneCall;
+  const at::Tensor want = net(emb);  // learns the reader order
+  const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
+  net->block_reads = attnres::BlockReads::kTwoPhase;
+  const at::Tensor got = net(emb);
+  EXPECT_THAT(got.grad_fn()->name(), HasSubstr("MergeFunction"));
+  const Tensors got_grads = torch::autograd::grad({got}, inputs, {grad_out});
+  expect_close(got.cpu(), want.cpu(), kOutputTol, "CUDA two-phase output");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!want_grads[i].defined() || want_grads[i].count_nonzero().item<int64_t>() == 0) continue;
+    expect_close(got_grads[i].cpu(), want_grads[i].cpu(), kGradTol,
+                 "gradient of input " + std::to_string(i));
+  }
   {
     torch::NoGradGuard no_grad;
-    net->block_reads = attnres::BlockReads::kOneCall;
-    const at::Tensor want = net(emb);
-    net->block_reads = attnres::BlockReads::kTwoPhase;
     expect_close(net(emb).cpu(), want.cpu(), kOutputTol, "CUDA two-phase inference");
   }
-  const at::Tensor out = net(emb);
-  EXPECT_THAT(out.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
-  out.sum().backward();
-  EXPECT_TRUE(net->reads[0]->query.grad().defined());
+  net->block_reads = attnres::BlockReads::kAuto;
+  EXPECT_THAT(net(emb).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
 }
 
 // Phase 2's backward on CUDA (plain and normed), through the C++ autograd:

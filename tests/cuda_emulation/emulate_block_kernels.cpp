@@ -508,6 +508,207 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
   }
 }
 
+// ---- phase 1's backward (block_reads_bwd_kernel) --------------------------------
+struct ReadsBackwardCase {
+  int N, S, D;
+  int64_t T;
+  int extra_stride = 0;     // source and dy rows D + extra_stride apart
+  bool misaligned = false;  // those rows start one element past an aligned address
+  int64_t grid = 0;         // CTAs (0: reads_backward_grid's)
+  bool norm = false;        // reader 0's fused output norm
+  bool has_dy = true;       // false: no partial output has a gradient (lse only)
+  bool with_dlse = true;
+  bool all_wanted = true;   // false: odd sources' gradients and z not wanted
+  double magnitude = 0;     // > 0: sources uniform in +-magnitude (the rare tokens)
+};
+
+// The forward's statistics are computed in long double and rounded as
+// stored; the reference backward starts from them: dh_s = dy_s (reader 0's
+// r_o (g w - c h r_o) with the norm), dp = <dh_s, v_i>, ds = a (dp - sum_j
+// a_j dp_j + dlse_s), alpha = ds r_i, beta = -alpha r_i s / D, dv_i = sum_s
+// (a dh_s + alpha u_s + beta v_i), z_s = sum alpha v_i, dw = sum g h r_o.
+template <typename scalar_t>
+void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checker& chk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int natural = natural_vec<scalar_t>();
+  const int N = c.N, S = c.S, D = c.D;
+  const int64_t T = c.T;
+  const int64_t stride = D + c.extra_stride;
+  const int offset = c.misaligned ? 1 : 0;
+  const double eps = 1e-6;
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  const size_t len = offset + T * stride + natural;
+  auto rows_of = [&](double scale, bool big) {
+    std::vector<scalar_t> v(len);
+    for (auto& x : v) x = static_cast<scalar_t>(big ? uniform(rng) * c.magnitude : normal(rng) * scale);
+    return v;
+  };
+  std::vector<std::vector<scalar_t>> src(N), dy(c.has_dy ? S : 0);
+  for (int i = 0; i < N; ++i) src[i] = rows_of(1.0 + i % 3, c.magnitude > 0);
+  for (auto& g : dy) g = rows_of(1.0, false);
+  std::vector<acc_t> u(static_cast<size_t>(S) * D), w(D), dlse(c.with_dlse ? S * T : 0);
+  for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
+  for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
+  for (auto& x : dlse) x = static_cast<acc_t>(normal(rng));
+  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) {
+    return static_cast<ld>(static_cast<acc_t>(v[offset + t * stride + j]));
+  };
+  // The forward's statistics, rounded as stored.
+  std::vector<acc_t> rstd(N * T), weights(static_cast<size_t>(S) * N * T), out_rstd(T);
+  std::vector<scalar_t> h(c.norm ? T * D : 0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<ld>> rows(N, std::vector<ld>(D));
+    for (int i = 0; i < N; ++i) {
+      for (int j = 0; j < D; ++j) rows[i][j] = at(src[i], t, j);
+    }
+    for (int s = 0; s < S; ++s) {
+      const RefRead r = ref_read(rows, u.data() + static_cast<size_t>(s) * D, D, eps);
+      for (int i = 0; i < N; ++i) {
+        weights[(static_cast<int64_t>(s) * N + i) * T + t] = static_cast<acc_t>(r.weights[i]);
+        if (s == 0) rstd[i * T + t] = static_cast<acc_t>(r.rstd[i]);
+      }
+      if (c.norm && s == 0) {
+        ld hsq = 0;
+        for (int j = 0; j < D; ++j) {
+          h[t * D + j] = static_cast<scalar_t>(static_cast<acc_t>(r.h[j]));
+          hsq += static_cast<ld>(h[t * D + j]) * static_cast<ld>(h[t * D + j]);
+        }
+        out_rstd[t] = static_cast<acc_t>(1 / std::sqrt(hsq / D + static_cast<ld>(static_cast<acc_t>(kOutEps))));
+      }
+    }
+  }
+  auto wanted = [&](int i) { return c.all_wanted || i % 2 == 0; };
+  // Reference.
+  std::vector<std::vector<ld>> ref_dv(N, std::vector<ld>(T * D, 0));
+  std::vector<ld> ref_z(static_cast<size_t>(S) * D, 0), ref_dw(D, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<ld>> dh(S, std::vector<ld>(D, 0));
+    if (c.has_dy) {
+      for (int s = 0; s < S; ++s) {
+        for (int j = 0; j < D; ++j) dh[s][j] = at(dy[s], t, j);
+      }
+      if (c.norm) {
+        const ld nr = out_rstd[t];
+        ld cn = 0;
+        for (int j = 0; j < D; ++j) cn += dh[0][j] * static_cast<ld>(w[j]) * static_cast<ld>(h[t * D + j]) * nr;
+        cn /= D;
+        for (int j = 0; j < D; ++j) {
+          const ld g = dh[0][j], n = static_cast<ld>(h[t * D + j]) * nr;
+          ref_dw[j] += g * n;
+          dh[0][j] = nr * (g * static_cast<ld>(w[j]) - cn * n);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      std::vector<ld> dp(N, 0), su(N, 0);
+      ld mean = 0;
+      for (int i = 0; i < N; ++i) {
+        ld dot = 0;
+        for (int j = 0; j < D; ++j) {
+          dp[i] += dh[s][j] * at(src[i], t, j);
+          dot += static_cast<ld>(u[static_cast<size_t>(s) * D + j]) * at(src[i], t, j);
+        }
+        su[i] = static_cast<ld>(rstd[i * T + t]) * dot;
+        mean += static_cast<ld>(weights[(static_cast<int64_t>(s) * N + i) * T + t]) * dp[i];
+      }
+      const ld dl = c.with_dlse ? static_cast<ld>(dlse[s * T + t]) : 0;
+      for (int i = 0; i < N; ++i) {
+        const ld a = weights[(static_cast<int64_t>(s) * N + i) * T + t], r = rstd[i * T + t];
+        const ld ds = a * (dp[i] - mean + dl), alpha = ds * r, beta = -alpha * r * su[i] / D;
+        for (int j = 0; j < D; ++j) {
+          const ld vj = at(src[i], t, j);
+          ref_dv[i][t * D + j] += a * dh[s][j] + alpha * static_cast<ld>(u[static_cast<size_t>(s) * D + j]) + beta * vj;
+          ref_z[static_cast<size_t>(s) * D + j] += alpha * vj;
+        }
+      }
+    }
+  }
+  // The kernel.
+  const int64_t grid = c.grid > 0 ? c.grid : reads_backward_grid(T, 0, 0, S, D, sizeof(acc_t));
+  const int64_t rows = merge_backward_rows(grid);
+  const acc_t nan = static_cast<acc_t>(NAN);
+  std::vector<std::vector<scalar_t>> dv(N);
+  std::vector<SourceEntry> entries(N), dy_entries(dy.size());
+  std::vector<const void*> grads(N, nullptr);
+  for (int i = 0; i < N; ++i) {
+    if (wanted(i)) dv[i].assign(T * D, static_cast<scalar_t>(NAN));
+    grads[i] = dv[i].empty() ? nullptr : dv[i].data();
+    entries[i] = {src[i].data() + offset, stride, dv[i].empty() ? nullptr : dv[i].data()};
+  }
+  for (size_t s = 0; s < dy.size(); ++s) dy_entries[s] = {dy[s].data() + offset, stride, nullptr};
+  const SourceTableLayout layout = layout_sources(entries, T, natural, sizeof(scalar_t));
+  const SourceTableLayout dy_layout = layout_sources(dy_entries, T, natural, sizeof(scalar_t));
+  std::vector<acc_t> dot(static_cast<size_t>(S) * N * T, nan), coef(dot.size(), nan), beta(N * T, nan);
+  std::vector<double> wide_dot(dot.size(), NAN), wide_coef(dot.size(), NAN), wide_beta(beta.size(), NAN);
+  std::vector<acc_t> z_rows(c.all_wanted ? rows * S * D : 0, nan);
+  const bool norm_active = c.norm && c.has_dy;
+  std::vector<acc_t> dw_rows(norm_active ? rows * D : 0, nan);
+  BlockReadsBackwardParams<scalar_t> p{};
+  p.table = layout.table;
+  p.overflow = layout.overflow.data();
+  p.dy_table = dy_layout.table;
+  p.dy_overflow = dy_layout.overflow.data();
+  p.has_dy = c.has_dy;
+  p.u = u.data();
+  p.rstd = rstd.data();
+  p.weights = weights.data();
+  p.grad_lse = c.with_dlse ? dlse.data() : nullptr;
+  p.dot_scratch = dot.data();
+  p.coef_scratch = coef.data();
+  p.beta = beta.data();
+  p.wide_dot = wide_dot.data();
+  p.wide_coef = wide_coef.data();
+  p.wide_beta = wide_beta.data();
+  p.z_rows = z_rows.empty() ? nullptr : z_rows.data();
+  p.dw_rows = dw_rows.empty() ? nullptr : dw_rows.data();
+  if (norm_active) {
+    p.h = h.data();
+    p.h_stride = D;
+    p.norm_weight = w.data();
+    p.norm_rstd = out_rstd.data();
+  }
+  p.T = T;
+  p.N = N;
+  p.S = S;
+  p.D = D;
+  const bool aligned =
+      reads_backward_rows_aligned(p, layout, c.has_dy ? &dy_layout : nullptr, grads, natural);
+  const int vec = block_read_vec(aligned, D, natural);
+  emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+    vec == natural ? block_reads_bwd_kernel<scalar_t, natural>(p)
+                   : block_reads_bwd_kernel<scalar_t, 1>(p);
+  });
+  auto row_sums = [&](const std::vector<acc_t>& partial, int width) {
+    std::vector<acc_t> out(width, nan);
+    emu::launch(static_cast<unsigned>((width + kSumColumns - 1) / kSumColumns),
+                kSumColumns * kSumSlices, 0,
+                [&] { sum_partial_rows_kernel<acc_t>(partial.data(), rows, width, out.data()); });
+    return out;
+  };
+  char what[240];
+  std::snprintf(what, sizeof what, "%s reads backward N=%d S=%d D=%d T=%ld grid=%ld vec=%d%s%s%s%s%s%s",
+                dtype_name<scalar_t>(), N, S, D, long(T), long(grid), vec, c.norm ? " norm" : "",
+                c.has_dy ? "" : " (no dy)", c.with_dlse ? "" : " (no dlse)",
+                c.all_wanted ? "" : " (some dv, no z)", c.magnitude > 0 ? " range" : "",
+                layout.overflow.empty() ? "" : " overflow");
+  std::vector<double> got_dv, want_dv;
+  for (int i = 0; i < N; ++i) {
+    if (!wanted(i)) continue;
+    const auto d = as_double(dv[i]);
+    got_dv.insert(got_dv.end(), d.begin(), d.end());
+    const auto r = to_double(ref_dv[i]);
+    want_dv.insert(want_dv.end(), r.begin(), r.end());
+  }
+  chk.check(what, "dv", rel_err(got_dv, want_dv), chk.tol.grad);
+  if (c.all_wanted) {
+    chk.check(what, "z", rel_err(as_double(row_sums(z_rows, S * D)), to_double(ref_z)), chk.tol.grad);
+  }
+  if (norm_active) {
+    chk.check(what, "dw", rel_err(as_double(row_sums(dw_rows, D)), to_double(ref_dw)), chk.tol.grad);
+  }
+}
+
 template <typename scalar_t>
 int run_dtype(std::mt19937_64& rng) {
   Checker chk{read_tolerance(dtype_name<scalar_t>())};
@@ -556,6 +757,33 @@ int run_dtype(std::mt19937_64& rng) {
     }
   }
   for (const BackwardCase& c : backward_cases) run_merge_backward<scalar_t>(c, rng, chk);
+  std::vector<ReadsBackwardCase> reads_cases = {
+      {3, 4, 64, 5},                                      // 8 warps, 5 tokens: empty warps
+      {5, 6, 1000, 7},                                    // D = 1000, two reader sweeps
+      {4, 3, 72, 9, 8},                                   // strided rows
+      {4, 3, 70, 6, 0, true},                             // misaligned: one element a lane
+      {3, 2, 33, 11, 0, false, 1},                        // one CTA: several tokens a warp
+      {3, 5, 96, 5, 0, false, 0, true},                   // reader 0 normed
+      {4, 3, 80, 9, 4, true, 1, true},                    // normed, strided, misaligned, one CTA
+      {67, 2, 24, 3},                                     // 67 sources: the table's overflow
+      {2, 18, 40, 3},                                     // 18 readers
+      {3, 3, 48, 4, 0, false, 0, false, false},           // no dy: the lse gradient only
+      {3, 3, 48, 4, 0, false, 0, true, true, false},      // no dlse
+      {5, 2, 56, 6, 0, false, 0, true, true, true, false},  // odd sources' dv and z not wanted
+  };
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    // Rows near the accumulation type's limits (not fp16, whose range
+    // cannot reach them; not fp64, no wider type on the device): the rare
+    // tokens are those whose every term is ~1/magnitude, i.e. one normed
+    // reader, or the lse gradient alone; also several a warp (one CTA).
+    for (const bool norm : {false, true}) {
+      reads_cases.push_back({3, 3, 64, 4, 0, false, 0, norm, true, true, true, 1e36});
+    }
+    reads_cases.push_back({3, 1, 64, 4, 0, false, 0, true, true, true, true, 1e36});
+    reads_cases.push_back({3, 1, 64, 9, 0, false, 1, true, true, true, true, 1e36});
+    reads_cases.push_back({3, 3, 64, 9, 0, false, 1, false, false, true, true, 1e36});
+  }
+  for (const ReadsBackwardCase& c : reads_cases) run_reads_backward<scalar_t>(c, rng, chk);
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) run_merge_at_max<scalar_t>(chk);
   return chk.failures;
 }

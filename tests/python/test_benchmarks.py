@@ -352,8 +352,9 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                      "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
         assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
     assert "FAIL" not in log.replace("failure(s)", "")
-    # The smoke check compared phase 2's backward too (every dtype and shape).
+    # The smoke check compared both phases' backward too (every dtype and shape).
     assert log.count("merge backward: max rel err") >= 4, log[-6000:]
+    assert log.count("reads backward: max rel err") >= 4, log[-6000:]
     assert (out / "gpu_check.log").read_text() == log
     bench_rows = list(csv.DictReader(open(next(out.glob("cpu_quick_*.csv")), newline="")))
     assert any(r["impl"] == "attnres" and float(r["ms"]) > 0 for r in bench_rows)

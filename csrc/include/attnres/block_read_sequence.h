@@ -1,12 +1,10 @@
-// The host sequence of the two-phase Block reads' forward ops and phase 2's
-// backward (docs/design.md §10), shared by every device, as op_sequence.h is for depth_attention:
+// The host sequence of the two-phase Block read ops (docs/design.md §10),
+// shared by every device, as op_sequence.h is for depth_attention:
 //   check the arguments -> u (accumulation dtype) -> allocate the outputs
 //   -> the device's kernel.
-// A device supplies its two forward kernels and phase 2's backward
-// (BlockReadKernels) and registers them with register_block_read_kernels
+// A device supplies its four kernels (BlockReadKernels: phase 1 and phase 2,
+// forward and backward) and registers them with register_block_read_kernels
 // (csrc/block_reads.cpp for the CPU, csrc/cuda/block_reads_cuda.cu for CUDA).
-// Phase 1's backward ops have CPU kernels only; CUDA registers them as
-// NotImplementedError (register_block_read_backward_missing_cuda).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,6 +53,25 @@ struct MergeForwardCall {
   const OutNormForward* out_norm = nullptr;
 };
 
+// Phase 1's backward (T > 0): the S readers' gradients at once.
+struct BlockReadsBackwardCall {
+  int64_t N, S, D, T;
+  // S gradients of the partial outputs (any strides), or empty: none.
+  at::TensorList grad_partial_outs;
+  const at::Tensor& grad_lse;  // [S, ...] contiguous, or undefined
+  at::TensorList sources;
+  const at::Tensor& u;        // [S, D]
+  const at::Tensor& rstd;     // [N, ...] contiguous
+  const at::Tensor& weights;  // [S, N, ...] contiguous
+  std::vector<at::Tensor>& grad_sources;  // N: contiguous to fill, or undefined
+  at::Tensor& z;  // [S, D] sum of alpha_{s,i} v_i, or undefined (not wanted)
+  // With reader 0's fused output norm grad_partial_outs[0] is dy_0 and h
+  // the forward's h_0 (any strides); out_norm->grad_weight (when defined)
+  // is set to the out_weight gradient.
+  const OutNormBackward* out_norm = nullptr;
+  const at::Tensor* h = nullptr;
+};
+
 // Phase 2's backward (T > 0): the gradients of one reader's merge.
 struct MergeBackwardCall {
   int64_t D, T;
@@ -80,6 +97,7 @@ struct BlockReadKernels {
   void (*reads_forward)(const BlockReadsForwardCall&);
   void (*merge_forward)(const MergeForwardCall&);
   void (*merge_backward)(const MergeBackwardCall&);
+  void (*reads_backward)(const BlockReadsBackwardCall&);
 };
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_block_reads_fwd(
@@ -117,6 +135,19 @@ void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
                                          const at::Tensor& out_weight, double eps, double scale,
                                          double out_eps);
 
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> run_block_reads_bwd(
+    const BlockReadKernels& k, at::TensorList grad_partial_outs,
+    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask);
+
+BlockReadsNormedBackward run_block_reads_normed_bwd(
+    const BlockReadKernels& k, at::TensorList grad_partial_outs,
+    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
+    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
+    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_bwd(
     const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
     const at::Tensor& block_sum, const at::Tensor& query,
@@ -130,9 +161,9 @@ MergeNormedBackward run_block_read_merge_normed_bwd(
     const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weight,
     const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
 
-// Registers a device's kernels for the six forward ops (phase 1 and phase 2,
-// plain and normed, the in-place forms included) and phase 2's two backward
-// ops under its dispatch key.
+// Registers a device's kernels for the ten ops (phase 1 and phase 2, plain
+// and normed, forward, backward and the in-place forms) under its dispatch
+// key.
 template <const BlockReadKernels& k>
 void register_block_read_kernels(torch::Library& m) {
   m.impl("block_reads_fwd", [](at::TensorList sources, const at::Tensor& queries,
@@ -177,6 +208,24 @@ void register_block_read_kernels(torch::Library& m) {
            run_block_read_merge_normed_inplace(k, partial_out, lse, block_sum, query,
                                                norm_weight, out_weight, eps, scale, out_eps);
          });
+  m.impl("block_reads_bwd",
+         [](at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+            at::TensorList sources, const at::Tensor& queries,
+            const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+            const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
+           return run_block_reads_bwd(k, grad_partial_outs, grad_lse, sources, queries,
+                                      norm_weights, rstd, weights, scale, output_mask);
+         });
+  m.impl("block_reads_normed_bwd",
+         [](at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
+            at::TensorList sources, const at::Tensor& queries,
+            const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
+            const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
+            const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask) {
+           return run_block_reads_normed_bwd(k, grad_partial_outs, grad_lse, sources, queries,
+                                             norm_weights, out_weight, h, rstd, weights, out_rstd,
+                                             scale, output_mask);
+         });
   m.impl("block_read_merge_bwd",
          [](const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
             const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
@@ -196,11 +245,5 @@ void register_block_read_kernels(torch::Library& m) {
                                                   out_rstd, scale, output_mask);
          });
 }
-
-// The backward ops on a device without their kernels: NotImplementedError
-// naming the op (attnres.DepthStream reads two-phase there only where no
-// gradient is needed).
-[[noreturn]] void block_read_no_kernel(const char* op, const char* device);
-void register_block_read_backward_missing_cuda(torch::Library& m);
 
 }  // namespace attnres

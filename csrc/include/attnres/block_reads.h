@@ -1,9 +1,8 @@
 // C++ API of the two-phase Block read ops (docs/design.md §10), called
 // through the dispatcher like ops.h (autograd is registered in C++). CPU
-// kernels for every op; CUDA kernels for the forward ops and phase 2's
-// backward: on CUDA phase 1's backward ops raise NotImplementedError naming
-// the missing kernel (attnres::DepthStream reads two-phase there only with
-// grad mode off).
+// and CUDA kernels for every op (attnres::DepthStream reads two-phase on
+// CUDA only under BlockReads::kTwoPhase: the CUDA kernels have not run on a
+// GPU yet).
 //
 //   // phase 1, once per block: the completed sources C, the block's S readers
 //   auto [partials, lse] = attnres::block_reads(completed, queries, gains);

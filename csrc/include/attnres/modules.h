@@ -38,9 +38,8 @@ class AttnResResidualImpl;
 // bf16/fp16 streams under grad mode (their merge backward would take
 // <dh, P - y> from a partial output rounded to 8/11 bits); kTwoPhase for
 // every block on CPU, training included; kOneCall never. CUDA streams read
-// two-phase only under kTwoPhase with grad mode off: phase 1's backward ops
-// have no CUDA kernels yet, and the others have not run on a GPU yet, so
-// kAuto keeps one-call reads on CUDA.
+// two-phase only under kTwoPhase (training included): the CUDA kernels have
+// not run on a GPU yet, so kAuto keeps one-call reads on CUDA.
 enum class BlockReads { kAuto, kTwoPhase, kOneCall };
 
 namespace detail {
