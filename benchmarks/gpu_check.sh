@@ -9,7 +9,7 @@
 #      (Triton compiles + FLA's autotuning, cached on disk by Triton);
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
 #      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops, the
-#      two-phase Block reads' forward);
+#      two-phase Block reads' forward and backward);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few

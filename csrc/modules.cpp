@@ -118,11 +118,11 @@ void DepthStream::append(const at::Tensor& output) {
 bool DepthStream::two_phase(int64_t num_completed) const {
   if (!block_size_ || *block_size_ < 2 || block_reads_ == BlockReads::kOneCall) return false;
   if (!embedding_.device().is_cpu() && !embedding_.device().is_cuda()) return false;
+  const auto t = embedding_.scalar_type();
+  if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
   // CUDA kernels for every phase op, not yet run on a GPU: used when asked
   // for (kTwoPhase), training included (docs/design.md §10).
   if (embedding_.device().is_cuda()) return block_reads_ == BlockReads::kTwoPhase;
-  const auto t = embedding_.scalar_type();
-  if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
   if (block_reads_ == BlockReads::kTwoPhase) return true;
   if (at::GradMode::is_enabled() && (t == at::kBFloat16 || t == at::kHalf)) return false;
   return num_completed >= kAutoMinCompleted;

@@ -548,15 +548,6 @@ __global__ void __launch_bounds__(kBlockReadThreads)
 // s's coefficients, lane i the sum of the readers' betas; sweep 2 reads the
 // rows again (L1/L2).
 
-// The gradient entry of source i at token t (null: not wanted).
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t* source_grad_row(const SourceTable& table,
-                                                     const SourceEntry* overflow, int i, int64_t t,
-                                                     int D) {
-  const SourceEntry& e = i < kTableCapacity ? table.first[i] : overflow[i - kTableCapacity];
-  return e.grad ? static_cast<scalar_t*>(e.grad) + t * D : nullptr;
-}
-
 // Reader s's dh at pack j of token t: dy_s, or reader 0's dh_0 = r_o (g w -
 // c n) of the fused norm (nr = r_o, nc = c).
 template <typename scalar_t, int VEC>
@@ -580,9 +571,9 @@ __device__ __forceinline__ void reader_grad(const BlockReadsBackwardParams<scala
   }
 }
 
-// Sweep 1 of one token in sum_t (acc_t, or WideType on the rare tokens):
-// dot[s, i] = <dh_s, v_i> (0 without dy) and coef[s, i] = the score r_i
-// <u_s, v_i>, written by lane 0 at (s * N + i) * T + t.
+// Sweep 1 of one token in sum_t (acc_t, or double on the rare tokens):
+// dot[s * N + i] = <dh_s, v_i> (0 without dy) and coef[s * N + i] = the
+// score r_i <u_s, v_i>, written by lane 0 into the warp's scratch.
 template <typename scalar_t, int VEC, typename sum_t>
 __device__ __forceinline__ void reads_bwd_dots(const BlockReadsBackwardParams<scalar_t>& p,
                                                int64_t t, at::opmath_type<scalar_t> nr,
@@ -622,7 +613,7 @@ __device__ __forceinline__ void reads_bwd_dots(const BlockReadsBackwardParams<sc
         for (int r = 0; r < R; ++r) {
           const int s = s0 + r;
           if (s >= S) continue;
-          const int64_t at_si = (static_cast<int64_t>(s) * N + i) * T + t;
+          const int64_t at_si = static_cast<int64_t>(s) * N + i;
           dot[at_si] = p.has_dy ? sums[r] : sum_t(0);
           coef[at_si] = math::score(r_i, sums[R + r]);
         }
@@ -634,9 +625,10 @@ __device__ __forceinline__ void reads_bwd_dots(const BlockReadsBackwardParams<sc
 
 // The coefficients of one token in sum_t: lane s for reader s turns dot
 // into beta_{s,i} and coef into alpha_{s,i}; then lane i sums the readers'
-// betas into beta_i (reader order, as the CPU). Returns whether a sum or
+// betas into beta[i] (reader order, as the CPU). Returns whether a sum or
 // coefficient left acc_t's range (math::backward_row_is_rare; the same on
-// every lane).
+// every lane). The caller orders the lanes' writes with __syncwarp before
+// reading them (a vote does not order memory).
 template <typename scalar_t, typename sum_t>
 __device__ __forceinline__ bool reads_bwd_coefficients(const BlockReadsBackwardParams<scalar_t>& p,
                                                        int64_t t, sum_t* dot, sum_t* coef,
@@ -647,22 +639,21 @@ __device__ __forceinline__ bool reads_bwd_coefficients(const BlockReadsBackwardP
   const int N = p.N, S = p.S, D = p.D;
   bool rare = false;
   for (int s = lane; s < S; s += 32) {
-    const int64_t row = static_cast<int64_t>(s) * N * T + t;
-    const acc_t* w = p.weights + row;
+    const acc_t* w = p.weights + static_cast<int64_t>(s) * N * T + t;  // w[i * T]: a_{s,i}
+    const int64_t row = static_cast<int64_t>(s) * N;                   // reader s in the scratch
     math::Pivot<acc_t> pivot;  // on the acc_t weights, as the CPU
     for (int i = 0; i < N; ++i) pivot.see(i, w[static_cast<int64_t>(i) * T]);
     const int piv = pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
-    const sum_t dp_piv = piv >= 0 ? dot[row + static_cast<int64_t>(piv) * T] : sum_t(0);
+    const sum_t dp_piv = piv >= 0 ? dot[row + piv] : sum_t(0);
     sum_t sum_rel = sum_t(0);
     for (int j = 0; j < N; ++j) {
       if (j != piv) {
-        sum_rel += static_cast<sum_t>(w[static_cast<int64_t>(j) * T]) *
-                   (dot[row + static_cast<int64_t>(j) * T] - dp_piv);
+        sum_rel += static_cast<sum_t>(w[static_cast<int64_t>(j) * T]) * (dot[row + j] - dp_piv);
       }
     }
     if (p.grad_lse) sum_rel -= static_cast<sum_t>(p.grad_lse[static_cast<int64_t>(s) * T + t]);
     for (int i = 0; i < N; ++i) {
-      const int64_t at_si = row + static_cast<int64_t>(i) * T;
+      const int64_t at_si = row + i;
       const sum_t a = static_cast<sum_t>(w[static_cast<int64_t>(i) * T]);
       const sum_t r = static_cast<sum_t>(p.rstd[static_cast<int64_t>(i) * T + t]);
       const sum_t su = coef[at_si], dp_rel = dot[at_si] - dp_piv;
@@ -677,8 +668,8 @@ __device__ __forceinline__ bool reads_bwd_coefficients(const BlockReadsBackwardP
   __syncwarp();
   for (int i = lane; i < N; i += 32) {
     sum_t b = sum_t(0);
-    for (int s = 0; s < S; ++s) b += dot[(static_cast<int64_t>(s) * N + i) * T + t];
-    beta[static_cast<int64_t>(i) * T + t] = b;
+    for (int s = 0; s < S; ++s) b += dot[static_cast<int64_t>(s) * N + i];
+    beta[i] = b;
     if constexpr (std::is_same<sum_t, acc_t>::value) {
       // The readers' betas summed past the range (each one in it).
       rare = rare || math::abs_acc(b) > math::RangeConstants<acc_t>::kMax;
@@ -700,10 +691,10 @@ __device__ __forceinline__ void reads_bwd_sweep(const BlockReadsBackwardParams<s
   const int64_t T = p.T;
   const int N = p.N, S = p.S, D = p.D;
   for (int i = 0; i < N; ++i) {
-    scalar_t* dv = source_grad_row<scalar_t>(p.table, p.overflow, i, t, D);
+    scalar_t* dv = grad_row<scalar_t>(p.table, p.overflow, i, t, D);
     if (!dv && !z_rows) continue;
     const scalar_t* v = source_row<scalar_t>(p.table, p.overflow, i, t);
-    const sum_t B = beta[static_cast<int64_t>(i) * T + t];
+    const sum_t B = beta[i];
     const bool z_first = !started && i == 0;
     for (int j = lane * VEC; j < D; j += 32 * VEC) {
       const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
@@ -711,9 +702,8 @@ __device__ __forceinline__ void reads_bwd_sweep(const BlockReadsBackwardParams<s
 #pragma unroll
       for (int e = 0; e < VEC; ++e) g[e] = B * static_cast<sum_t>(static_cast<acc_t>(x.x[e]));
       for (int s = 0; s < S; ++s) {
-        const int64_t at_si = (static_cast<int64_t>(s) * N + i) * T + t;
-        const sum_t a = static_cast<sum_t>(p.weights[at_si]);
-        const sum_t alpha = coef[at_si];
+        const sum_t a = static_cast<sum_t>(p.weights[(static_cast<int64_t>(s) * N + i) * T + t]);
+        const sum_t alpha = coef[static_cast<int64_t>(s) * N + i];
         if (p.has_dy) {
           acc_t gd[VEC];
           reader_grad<scalar_t, VEC>(p, s, t, j, nr, nc, gd);
@@ -744,17 +734,22 @@ __device__ __forceinline__ void reads_bwd_sweep(const BlockReadsBackwardParams<s
 }
 
 // The rare tokens: sweeps and coefficients again in double (float
-// accumulation only), in the wide scratch; out of line.
+// accumulation only), in the warp's wide scratch; out of line.
 template <typename scalar_t, int VEC>
 __device__ ATTNRES_NOINLINE void reads_bwd_token_wide(const BlockReadsBackwardParams<scalar_t>& p,
-                                                      int64_t t, at::opmath_type<scalar_t> nr,
+                                                      int64_t t, int64_t warp,
+                                                      at::opmath_type<scalar_t> nr,
                                                       at::opmath_type<scalar_t> nc,
                                                       at::opmath_type<scalar_t>* z_rows,
                                                       bool started) {
-  reads_bwd_dots<scalar_t, VEC, double>(p, t, nr, nc, p.wide_dot, p.wide_coef);
-  reads_bwd_coefficients<scalar_t, double>(p, t, p.wide_dot, p.wide_coef, p.wide_beta);
+  const int64_t SN = static_cast<int64_t>(p.S) * p.N;
+  double* dot = p.wide_dot + warp * SN;
+  double* coef = p.wide_coef + warp * SN;
+  double* beta = p.wide_beta + warp * p.N;
+  reads_bwd_dots<scalar_t, VEC, double>(p, t, nr, nc, dot, coef);
+  reads_bwd_coefficients<scalar_t, double>(p, t, dot, coef, beta);
   __syncwarp();
-  reads_bwd_sweep<scalar_t, VEC, double>(p, t, nr, nc, p.wide_coef, p.wide_beta, z_rows, started);
+  reads_bwd_sweep<scalar_t, VEC, double>(p, t, nr, nc, coef, beta, z_rows, started);
 }
 
 template <typename scalar_t, int VEC>
@@ -767,8 +762,13 @@ __global__ void __launch_bounds__(kBlockReadThreads)
   const int D = p.D;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kBlockReadWarps;
-  acc_t* z_rows = p.z_rows ? p.z_rows + warp * p.S * D : nullptr;
+  const int64_t SD = static_cast<int64_t>(p.S) * D, SN = static_cast<int64_t>(p.S) * p.N;
+  acc_t* z_rows = p.z_rows ? p.z_rows + warp * SD : nullptr;
   acc_t* dw_row = p.dw_rows ? p.dw_rows + warp * D : nullptr;
+  // This warp's scratch: its tokens take turns (one token at a time).
+  acc_t* dot = p.dot_scratch + warp * SN;
+  acc_t* coef = p.coef_scratch + warp * SN;
+  acc_t* beta = p.beta + warp * p.N;
   bool started = false;
   for (int64_t t = warp; t < p.T; t += warps) {
     // Reader 0's fused norm: c = <dy_0 w, h_0 r_o> / D, and dw += dy_0 n.
@@ -792,19 +792,21 @@ __global__ void __launch_bounds__(kBlockReadThreads)
       warp_allreduce<32>(c, 32);
       nc = c[0] / static_cast<acc_t>(D);
     }
-    reads_bwd_dots<scalar_t, VEC, acc_t>(p, t, nr, nc, p.dot_scratch, p.coef_scratch);
-    const bool rare = reads_bwd_coefficients<scalar_t, acc_t>(p, t, p.dot_scratch,
-                                                              p.coef_scratch, p.beta);
-    __syncwarp();
+    reads_bwd_dots<scalar_t, VEC, acc_t>(p, t, nr, nc, dot, coef);
+    const bool rare = reads_bwd_coefficients<scalar_t, acc_t>(p, t, dot, coef, beta);
+    __syncwarp();  // the coefficients and betas of every lane, for all
     if (kHasRarePath && rare) {
-      if constexpr (kHasRarePath) reads_bwd_token_wide<scalar_t, VEC>(p, t, nr, nc, z_rows, started);
+      if constexpr (kHasRarePath) {
+        reads_bwd_token_wide<scalar_t, VEC>(p, t, warp, nr, nc, z_rows, started);
+      }
     } else {
-      reads_bwd_sweep<scalar_t, VEC, acc_t>(p, t, nr, nc, p.coef_scratch, p.beta, z_rows, started);
+      reads_bwd_sweep<scalar_t, VEC, acc_t>(p, t, nr, nc, coef, beta, z_rows, started);
     }
+    __syncwarp();  // every lane done with this token's scratch before the next's
     started = true;
   }
   if (!started) {  // a warp past the last token: its rows are zero
-    for (int d = lane; d < p.S * D; d += 32) {
+    for (int64_t d = lane; d < SD; d += 32) {
       if (z_rows) z_rows[d] = acc_t(0);
     }
     for (int d = lane; d < D; d += 32) {

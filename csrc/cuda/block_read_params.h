@@ -98,7 +98,8 @@ struct MergeBackwardParams {
 // Phase 1's backward (S readers at once): each source's gradient written
 // once (every reader's term summed per element), and the queries' gradient
 // z [S, D] (and reader 0's norm weight's) as one partial row block a warp.
-// Per token scratch: the sums <dy_s, v_i> and scores, then the coefficients.
+// A warp's scratch (its tokens one after another): the sums <dy_s, v_i>
+// and scores, then the coefficients.
 template <typename scalar_t>
 struct BlockReadsBackwardParams {
   using acc_t = at::opmath_type<scalar_t>;
@@ -111,12 +112,12 @@ struct BlockReadsBackwardParams {
   const acc_t* rstd;               // [N, T]
   const acc_t* weights;            // [S, N, T]
   const acc_t* grad_lse;           // [S, T], or null
-  acc_t* dot_scratch;              // [S, N, T]: <dy_s, v_i>, then beta_{s,i}
-  acc_t* coef_scratch;             // [S, N, T]: scores, then alpha_{s,i}
-  acc_t* beta;                     // [N, T]: sum_s beta_{s,i}
-  double* wide_dot;                // [S, N, T] the rare tokens' (float accumulation only)
-  double* wide_coef;               // [S, N, T]
-  double* wide_beta;               // [N, T]
+  acc_t* dot_scratch;              // [warps, S, N]: <dy_s, v_i>, then beta_{s,i}
+  acc_t* coef_scratch;             // [warps, S, N]: scores, then alpha_{s,i}
+  acc_t* beta;                     // [warps, N]: sum_s beta_{s,i}
+  double* wide_dot;                // [warps, S, N] the rare tokens' (float accumulation only)
+  double* wide_coef;               // [warps, S, N]
+  double* wide_beta;               // [warps, N]
   acc_t* z_rows;                   // [warps, S, D], or null
   acc_t* dw_rows;                  // [warps, D] (reader 0's norm weight), or null
   // Reader 0's fused output norm (its dy is that of y_0; h_0 saved).
@@ -250,10 +251,10 @@ inline int64_t merge_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_
 }
 
 // Phase 1's backward grid: as merge_backward_grid, for partial row blocks of
-// S rows (z) a warp.
-inline int64_t reads_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_count, int64_t S,
-                                   int64_t D, int64_t acc_size) {
-  return merge_backward_grid(T, resident_ctas, sm_count, S * D, acc_size);
+// S rows (z, when wanted: rows_per_warp = S, else 1) a warp.
+inline int64_t reads_backward_grid(int64_t T, int64_t resident_ctas, int64_t sm_count,
+                                   int64_t rows_per_warp, int64_t D, int64_t acc_size) {
+  return merge_backward_grid(T, resident_ctas, sm_count, rows_per_warp * D, acc_size);
 }
 
 // Whether a merge backward can take 16-byte packs: every row it reads or

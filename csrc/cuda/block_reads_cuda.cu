@@ -223,7 +223,8 @@ void launch_reads_backward(const BlockReadsBackwardParams<scalar_t>& p, int64_t 
 void reads_backward(const BlockReadsBackwardCall& call) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t N = call.N, S = call.S, D = call.D, T = call.T;
-  const int64_t grid = reads_backward_grid(T, resident_block_read_ctas(), sm_count(), S, D,
+  const int64_t grid = reads_backward_grid(T, resident_block_read_ctas(), sm_count(),
+                                           call.z.defined() ? S : 1, D,
                                            static_cast<int64_t>(call.u.element_size()));
   const int64_t rows = merge_backward_rows(grid);
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -252,18 +253,19 @@ void reads_backward(const BlockReadsBackwardCall& call) {
         p.rstd = call.rstd.const_data_ptr<acc_t>();
         p.weights = call.weights.const_data_ptr<acc_t>();
         p.grad_lse = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<acc_t>() : nullptr;
-        // Per-token scratch ([S, N, T] twice, [N, T]); the rare tokens' in
-        // double where the accumulation is float.
-        const at::Tensor dot = at::empty({S, N, T}, acc_opts), coef = at::empty({S, N, T}, acc_opts);
-        const at::Tensor beta = at::empty({N, T}, acc_opts);
+        // A warp's scratch ([S, N] twice, [N]); the rare tokens' in double
+        // where the accumulation is float.
+        const at::Tensor dot = at::empty({rows, S, N}, acc_opts);
+        const at::Tensor coef = at::empty({rows, S, N}, acc_opts);
+        const at::Tensor beta = at::empty({rows, N}, acc_opts);
         p.dot_scratch = dot.data_ptr<acc_t>();
         p.coef_scratch = coef.data_ptr<acc_t>();
         p.beta = beta.data_ptr<acc_t>();
         at::Tensor wide_dot, wide_coef, wide_beta;
         if constexpr (!std::is_same<acc_t, double>::value) {
-          wide_dot = at::empty({S, N, T}, opts.dtype(at::kDouble));
-          wide_coef = at::empty({S, N, T}, opts.dtype(at::kDouble));
-          wide_beta = at::empty({N, T}, opts.dtype(at::kDouble));
+          wide_dot = at::empty({rows, S, N}, opts.dtype(at::kDouble));
+          wide_coef = at::empty({rows, S, N}, opts.dtype(at::kDouble));
+          wide_beta = at::empty({rows, N}, opts.dtype(at::kDouble));
           p.wide_dot = wide_dot.data_ptr<double>();
           p.wide_coef = wide_coef.data_ptr<double>();
           p.wide_beta = wide_beta.data_ptr<double>();

@@ -625,7 +625,8 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
     }
   }
   // The kernel.
-  const int64_t grid = c.grid > 0 ? c.grid : reads_backward_grid(T, 0, 0, S, D, sizeof(acc_t));
+  const int64_t grid =
+      c.grid > 0 ? c.grid : reads_backward_grid(T, 0, 0, c.all_wanted ? S : 1, D, sizeof(acc_t));
   const int64_t rows = merge_backward_rows(grid);
   const acc_t nan = static_cast<acc_t>(NAN);
   std::vector<std::vector<scalar_t>> dv(N);
@@ -639,7 +640,8 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
   for (size_t s = 0; s < dy.size(); ++s) dy_entries[s] = {dy[s].data() + offset, stride, nullptr};
   const SourceTableLayout layout = layout_sources(entries, T, natural, sizeof(scalar_t));
   const SourceTableLayout dy_layout = layout_sources(dy_entries, T, natural, sizeof(scalar_t));
-  std::vector<acc_t> dot(static_cast<size_t>(S) * N * T, nan), coef(dot.size(), nan), beta(N * T, nan);
+  std::vector<acc_t> dot(static_cast<size_t>(rows) * S * N, nan), coef(dot.size(), nan),
+      beta(rows * N, nan);
   std::vector<double> wide_dot(dot.size(), NAN), wide_coef(dot.size(), NAN), wide_beta(beta.size(), NAN);
   std::vector<acc_t> z_rows(c.all_wanted ? rows * S * D : 0, nan);
   const bool norm_active = c.norm && c.has_dy;
