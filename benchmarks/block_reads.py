@@ -1,10 +1,13 @@
-"""Two-phase vs one-call Block reads on CPU (issue 9; docs/design.md §10).
+"""Two-phase vs one-call Block reads on CPU or CUDA (issue 9; docs/design.md §10).
 
   python benchmarks/block_reads.py            # writes benchmarks/results/block_reads_<cpu>.md
   python benchmarks/block_reads.py --quick    # small T and few repeats (a dry run)
   python benchmarks/block_reads.py --tokens 8192 --reads-only
       # part 1 at 8192 tokens (sources beyond a large L3) and phase 1 alone
       # against S one-call reads of the same 9 sources: block_reads_<cpu>_reads_T8192.md
+  python benchmarks/block_reads.py --device cuda --tokens 8192 --reads-only --out-dir DIR
+      # the same on the current GPU (gpu_check.sh's block_reads stage):
+      # block_reads_<gpu>_cuda_reads_T8192.md; every timed call is synchronized
 
 Part 1, the reads of a Block model: L reads (one per sublayer) over the
 sources a Block stream holds (embedding, completed block sums, partial
@@ -51,8 +54,15 @@ import attnres
 from attnres.models import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEV = torch.device("cpu")  # --device: where the sources, parameters and models live
 sys.path.insert(0, str(RESULTS.parent))
 import bench  # noqa: E402  (git_state: the measured code's commit, shared with bench.py)
+
+
+def machine_name() -> str:
+    if DEV.type == "cuda":
+        return f"{torch.cuda.get_device_name(DEV)} (CUDA {torch.version.cuda})"
+    return cpu_name()
 
 
 def cpu_name() -> str:
@@ -113,6 +123,10 @@ class BlockReads:
                 self.completed.append(acc)
         self.queries = torch.randn(L, D, generator=g) / D ** 0.5
         self.gains = torch.rand(L, D, generator=g) + 0.5
+        if DEV.type != "cpu":
+            self.completed = [x.to(DEV) for x in self.completed]
+            self.partial = {key: x.to(DEV) for key, x in self.partial.items()}
+            self.queries, self.gains = self.queries.to(DEV), self.gains.to(DEV)
 
     def one_call(self):
         out = None
@@ -183,11 +197,14 @@ def interleaved(fns, repeats):
     order rotated each round, so no variant always runs first)."""
     times = {name: [] for name in fns}
     names = list(fns)
+    sync = torch.cuda.synchronize if DEV.type == "cuda" else (lambda: None)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn = fns[name]
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -225,11 +242,11 @@ def part_phase1(T, D, repeats, out, n=9):
                "(the S partial outputs written not counted) |")
     out.append("|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(1)
-    sources = [torch.randn(T, D, generator=g) for _ in range(n)]
+    sources = [torch.randn(T, D, generator=g).to(DEV) for _ in range(n)]
     with torch.no_grad():
         for S in (1, 4, 8):
-            q = torch.randn(S, D, generator=g) / D ** 0.5
-            w = torch.rand(S, D, generator=g) + 0.5
+            q = (torch.randn(S, D, generator=g) / D ** 0.5).to(DEV)
+            w = (torch.rand(S, D, generator=g) + 0.5).to(DEV)
 
             def one_call():
                 for s in range(S):
@@ -257,13 +274,13 @@ def part_gpt(n_layers, D, B, T, S, repeats, out):
         "block auto": dict(residual="block", block_reads="auto"),
         "block two-phase": dict(residual="block", block_reads="two_phase"),
     }
-    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
     models = {}
     for name, kw in variants.items():
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
                         n_heads=max(1, D // 64), block_size=S, **kw)
-        models[name] = GPT(cfg).eval()
+        models[name] = GPT(cfg).to(DEV).eval()
     logits = {}
     with torch.no_grad():
         for name, m in models.items():
@@ -298,7 +315,7 @@ def part_train_reads(T, D, repeats, configs, out):
     for L, S in configs:
         model = BlockReads(L, S, T, D)
         inputs = model.leaves()
-        grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+        grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(DEV)
         one = model.train_step(model.one_call_train, grad_out, inputs)
         two = model.train_step(model.two_phase_train, grad_out, inputs)
         diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(two, one) if b is not None)
@@ -319,13 +336,13 @@ def part_gpt_train(n_layers, D, B, T, S, repeats, out):
         "block auto": dict(residual="block", block_reads="auto"),
         "block two-phase": dict(residual="block", block_reads="two_phase"),
     }
-    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
     models = {}
     for name, kw in variants.items():
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
                         n_heads=max(1, D // 64), block_size=S, **kw)
-        models[name] = GPT(cfg).train()
+        models[name] = GPT(cfg).to(DEV).train()
 
     def step(m):
         m.zero_grad(set_to_none=True)
@@ -358,12 +375,17 @@ def main():
     ap.add_argument("--reads-only", action="store_true",
                     help="part 1 only (the inference reads), and phase 1 alone against S "
                          "one-call reads; results file suffixed _reads_T<tokens>")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the current GPU (on CUDA, Block \"auto\" reads one-call)")
+    ap.add_argument("--out-dir", default=str(RESULTS), help="where the results file goes")
     args = ap.parse_args()
-    machine = cpu_name()
+    global DEV
+    DEV = torch.device(args.device)
+    machine = machine_name()
     T = args.tokens or (128 if args.quick else 2048)
     repeats = 2 if args.quick else args.repeats
     command = " ".join(["python benchmarks/block_reads.py", *sys.argv[1:]])
-    out = [f"# Two-phase vs one-call Block reads, CPU\n",
+    out = [f"# Two-phase vs one-call Block reads, {'CUDA' if DEV.type == 'cuda' else 'CPU'}\n",
            f"Machine: {machine}; torch {torch.__version__}; git {bench.git_state()}; "
            f"command: `{command}`\n"]
     load_before = os.getloadavg()
@@ -387,7 +409,7 @@ def main():
         stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
         suffix = (f"_reads_T{T}" if args.reads_only else
                   "" if T == 2048 else f"_T{T}")
-        path = RESULTS / f"block_reads_{stem}{suffix}.md"
+        path = Path(args.out_dir) / f"block_reads_{stem}{suffix}.md"
         path.write_text("\n".join(out) + "\n")
         print(f"wrote {path}", file=sys.stderr)
 

@@ -14,7 +14,8 @@
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
 #      shapes that take the rings); then the fused output norm vs read +
-#      rms_norm, briefly (out_norm_stage);
+#      rms_norm, briefly (out_norm_stage); then two-phase vs one-call Block
+#      reads (block_reads_stage);
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
@@ -297,6 +298,7 @@ PY
 
   ring_ab_stage
   out_norm_stage
+  block_reads_stage
 
   local k
   k=$(echo $MODEL_IMPLS | wc -w)
@@ -445,6 +447,30 @@ for n, t, d in shapes:
         torch.cuda.empty_cache()
 PY
   echo "out_norm stage rc=${PIPESTATUS[0]}"
+}
+
+# The two-phase Block reads (issue 9, docs/design.md §10): inference reads of
+# a Block model, two-phase vs one-call, fp32 D=1024 at 8192 tokens, every
+# (L, S) in {12, 32, 64} x {2, 4, 8}, and phase 1 alone against S one-call
+# reads (benchmarks/block_reads.py --reads-only, synchronized wall-clock
+# medians). At most BLOCK_READS_S (default 45) seconds; the table goes to
+# $RESULTS as block_reads.py names it.
+BLOCK_READS_S=${BLOCK_READS_S:-45}
+block_reads_stage() {
+  local c
+  c=$(cap "$BLOCK_READS_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== two-phase Block reads vs one-call ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -lt 15 ]; then
+    echo "no time left"
+    return 0
+  fi
+  if [ "$DRY_RUN" = 1 ]; then
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick --reads-only
+  else
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cuda --tokens 8192 --reads-only \
+      --repeats 3 --out-dir "$RESULTS"
+  fi
+  echo "block_reads stage rc=$?"
 }
 
 # compute-sanitizer (memcheck, racecheck) on small shapes of every kernel
