@@ -354,6 +354,15 @@ __global__ void __launch_bounds__(kBlockReadThreads)
 // c = <g, n> / D, formed per element from dy and the forward's h in every
 // sweep, and dw += dy n.
 
+// Whether the backward kernels recompute rare tokens in a wider type: not
+// fp64, which has none on the device (as the one-call backward, docs/
+// design.md §8). Decided by acc_t, not by WideType, which is long double in
+// the emulation's host build: the emulation then runs the device's paths.
+template <typename acc_t>
+__host__ __device__ constexpr bool backward_has_rare_path() {
+  return !std::is_same<acc_t, double>::value;
+}
+
 // dh at one element: grad_out's value, or the fused norm's dh from dy, h.
 template <bool kNorm, typename acc_t>
 __device__ __forceinline__ acc_t merge_dh(acc_t g, acc_t h, acc_t w, acc_t nr, acc_t nc) {
@@ -462,11 +471,7 @@ template <typename scalar_t, int VEC, bool kNorm>
 __global__ void __launch_bounds__(kBlockReadThreads)
     block_read_merge_bwd_kernel(const __grid_constant__ MergeBackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
-  // fp64 has no wider type on the device: no rare path there (as the
-  // one-call backward, docs/design.md §8). Decided by acc_t, not by
-  // WideType, which is long double in the host build of the emulation: the
-  // emulation then runs the device's paths.
-  constexpr bool kHasRarePath = !std::is_same<acc_t, double>::value;
+  constexpr bool kHasRarePath = backward_has_rare_path<acc_t>();
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int D = p.D;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);
@@ -756,8 +761,7 @@ template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kBlockReadThreads)
     block_reads_bwd_kernel(const __grid_constant__ BlockReadsBackwardParams<scalar_t> p) {
   using acc_t = at::opmath_type<scalar_t>;
-  // fp64 has no wider type on the device (docs/design.md §8): no rare path.
-  constexpr bool kHasRarePath = !std::is_same<acc_t, double>::value;
+  constexpr bool kHasRarePath = backward_has_rare_path<acc_t>();
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int D = p.D;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kBlockReadWarps + (threadIdx.x >> 5);

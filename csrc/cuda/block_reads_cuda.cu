@@ -143,6 +143,33 @@ void sum_rows(const at::Tensor& partial, int64_t rows, int D, at::Tensor& out,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The fused norm's part of a backward launch's parameters (phase 2's, or
+// phase 1's reader 0): the saved h, the norm weight (16-byte aligned) and
+// rstd, and the warps' partial rows of its gradient when wanted. The
+// returned buffers must outlive the launch.
+struct NormBackwardBuffers {
+  std::optional<Rows> h;
+  at::Tensor weight, dw_rows;
+};
+
+template <typename scalar_t, typename Params>
+NormBackwardBuffers set_backward_norm(Params& p, const OutNormBackward& norm, const at::Tensor& h,
+                                      int64_t rows, int64_t D, const at::TensorOptions& acc_opts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  NormBackwardBuffers b;
+  b.h.emplace(as_rows(h));
+  p.h = b.h->tensor.template const_data_ptr<scalar_t>();
+  p.h_stride = b.h->row_stride;
+  b.weight = pack_aligned(norm.weight);
+  p.norm_weight = b.weight.template const_data_ptr<acc_t>();
+  p.norm_rstd = norm.rstd.template const_data_ptr<acc_t>();
+  if (norm.grad_weight.defined()) {
+    b.dw_rows = at::empty({rows, D}, acc_opts);
+    p.dw_rows = b.dw_rows.template data_ptr<acc_t>();
+  }
+  return b;
+}
+
 // Phase 2's backward: one launch over the tokens, then the fixed-order sums
 // of the warps' partial rows (z, and the fused norm's weight gradient).
 void merge_backward(const MergeBackwardCall& call) {
@@ -178,24 +205,13 @@ void merge_backward(const MergeBackwardCall& call) {
             call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
         p.T = call.T;
         p.D = D;
-        at::Tensor z_rows, dw_rows, norm_weight;
+        at::Tensor z_rows;
         if (call.z.defined()) {
           z_rows = at::empty({rows, call.D}, acc_opts);
           p.z_rows = z_rows.data_ptr<acc_t>();
         }
-        std::optional<Rows> h;
-        if (norm) {
-          h.emplace(as_rows(*call.h));
-          p.h = h->tensor.const_data_ptr<scalar_t>();
-          p.h_stride = h->row_stride;
-          norm_weight = pack_aligned(norm->weight);
-          p.norm_weight = norm_weight.const_data_ptr<acc_t>();
-          p.norm_rstd = norm->rstd.const_data_ptr<acc_t>();
-          if (norm->grad_weight.defined()) {
-            dw_rows = at::empty({rows, call.D}, acc_opts);
-            p.dw_rows = dw_rows.data_ptr<acc_t>();
-          }
-        }
+        NormBackwardBuffers nb;
+        if (norm) nb = set_backward_norm<scalar_t>(p, *norm, *call.h, rows, call.D, acc_opts);
         const bool with_norm = norm != nullptr;
         if (block_read_vec(merge_backward_rows_aligned(p, natural), call.D, natural) == natural) {
           with_norm ? launch_merge_backward<scalar_t, natural, true>(p, grid, stream)
@@ -205,7 +221,7 @@ void merge_backward(const MergeBackwardCall& call) {
                     : launch_merge_backward<scalar_t, 1, false>(p, grid, stream);
         }
         if (z_rows.defined()) sum_rows<acc_t>(z_rows, rows, D, call.z, stream);
-        if (dw_rows.defined()) sum_rows<acc_t>(dw_rows, rows, D, norm->grad_weight, stream);
+        if (nb.dw_rows.defined()) sum_rows<acc_t>(nb.dw_rows, rows, D, norm->grad_weight, stream);
       });
 }
 
@@ -262,7 +278,7 @@ void reads_backward(const BlockReadsBackwardCall& call) {
         p.coef_scratch = coef.data_ptr<acc_t>();
         p.beta = beta.data_ptr<acc_t>();
         at::Tensor wide_dot, wide_coef, wide_beta;
-        if constexpr (!std::is_same<acc_t, double>::value) {
+        if constexpr (backward_has_rare_path<acc_t>()) {
           wide_dot = at::empty({rows, S, N}, opts.dtype(at::kDouble));
           wide_coef = at::empty({rows, S, N}, opts.dtype(at::kDouble));
           wide_beta = at::empty({rows, N}, opts.dtype(at::kDouble));
@@ -270,26 +286,15 @@ void reads_backward(const BlockReadsBackwardCall& call) {
           p.wide_coef = wide_coef.data_ptr<double>();
           p.wide_beta = wide_beta.data_ptr<double>();
         }
-        at::Tensor z_rows, dw_rows, norm_weight;
+        at::Tensor z_rows;
         if (call.z.defined()) {
           z_rows = at::empty({rows, S, D}, acc_opts);
           p.z_rows = z_rows.data_ptr<acc_t>();
         }
         // Reader 0's fused norm (only where its partial output has a gradient).
         const OutNormBackward* norm = has_dy ? call.out_norm : nullptr;
-        std::optional<Rows> h;
-        if (norm) {
-          h.emplace(as_rows(*call.h));
-          p.h = h->tensor.const_data_ptr<scalar_t>();
-          p.h_stride = h->row_stride;
-          norm_weight = pack_aligned(norm->weight);
-          p.norm_weight = norm_weight.const_data_ptr<acc_t>();
-          p.norm_rstd = norm->rstd.const_data_ptr<acc_t>();
-          if (norm->grad_weight.defined()) {
-            dw_rows = at::empty({rows, D}, acc_opts);
-            p.dw_rows = dw_rows.data_ptr<acc_t>();
-          }
-        }
+        NormBackwardBuffers nb;
+        if (norm) nb = set_backward_norm<scalar_t>(p, *norm, *call.h, rows, D, acc_opts);
         p.T = T;
         p.N = static_cast<int>(N);
         p.S = static_cast<int>(S);
@@ -304,8 +309,8 @@ void reads_backward(const BlockReadsBackwardCall& call) {
           launch_reads_backward<scalar_t, 1>(p, grid, stream);
         }
         if (z_rows.defined()) sum_rows<acc_t>(z_rows, rows, static_cast<int>(S * D), call.z, stream);
-        if (dw_rows.defined()) {
-          sum_rows<acc_t>(dw_rows, rows, static_cast<int>(D), norm->grad_weight, stream);
+        if (nb.dw_rows.defined()) {
+          sum_rows<acc_t>(nb.dw_rows, rows, static_cast<int>(D), norm->grad_weight, stream);
         }
       });
 }

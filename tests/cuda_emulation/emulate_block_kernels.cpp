@@ -357,6 +357,34 @@ void run_merge_at_max(Checker& chk) {
 }
 
 // ---- phase 2's backward (block_read_merge_bwd_kernel) ----------------------------
+// The row tensors of a backward case: T rows of D values, stride apart from
+// an offset (one element: misaligned), rounded to scalar_t; random normal
+// times `scale`, or uniform in +-magnitude for `big` ones.
+template <typename scalar_t>
+struct BackwardRows {
+  int64_t stride;
+  int offset;
+  size_t len;
+  double magnitude;
+  std::mt19937_64& rng;
+  BackwardRows(int64_t T, int D, int extra_stride, bool misaligned, double magnitude,
+               std::mt19937_64& rng)
+      : stride(D + extra_stride), offset(misaligned ? 1 : 0),
+        len(offset + T * stride + natural_vec<scalar_t>()), magnitude(magnitude), rng(rng) {}
+  std::vector<scalar_t> operator()(double scale, bool big) const {
+    std::normal_distribution<double> normal;
+    std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+    std::vector<scalar_t> v(len);
+    for (auto& x : v) x = static_cast<scalar_t>(big ? uniform(rng) * magnitude : normal(rng) * scale);
+    return v;
+  }
+  // Element j of row t, as the kernels read it (in the accumulation type).
+  ld at(const std::vector<scalar_t>& v, int64_t t, int j) const {
+    using acc_t = at::opmath_type<scalar_t>;
+    return static_cast<ld>(static_cast<acc_t>(v[offset + t * stride + j]));
+  }
+};
+
 struct BackwardCase {
   int D;
   int64_t T;
@@ -381,29 +409,21 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
   constexpr int natural = natural_vec<scalar_t>();
   const int D = c.D;
   const int64_t T = c.T;
-  const int64_t stride = D + c.extra_stride;
-  const int offset = c.misaligned ? 1 : 0;
+  const BackwardRows<scalar_t> rows_of(T, D, c.extra_stride, c.misaligned, c.magnitude, rng);
+  const int64_t stride = rows_of.stride;
+  const int offset = rows_of.offset;
   const double eps = 1e-6;
   std::normal_distribution<double> normal;
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  const size_t len = offset + T * stride + natural;
-  auto rows_of = [&](double scale, bool big) {
-    std::vector<scalar_t> v(len);
-    for (auto& x : v) x = static_cast<scalar_t>(big ? uniform(rng) * c.magnitude : normal(rng) * scale);
-    return v;
-  };
   const bool big = c.magnitude > 0;
   std::vector<scalar_t> g = rows_of(1.0, false), y = rows_of(1.0, big), P = rows_of(1.5, big);
   std::vector<acc_t> u(D), w(D), lse(T);
   for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
   for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
   for (auto& x : lse) x = static_cast<acc_t>(0.5 * normal(rng));
-  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) {
-    return static_cast<ld>(static_cast<acc_t>(v[offset + t * stride + j]));
-  };
+  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) { return rows_of.at(v, t, j); };
   // The forward's statistics, rounded as stored.
   std::vector<acc_t> rstd(T), weight(T), out_rstd(T);
-  std::vector<scalar_t> h(c.norm ? len : 0);
+  std::vector<scalar_t> h(c.norm ? rows_of.len : 0);
   for (int64_t t = 0; t < T; ++t) {
     ld sq = 0, dot = 0;
     for (int j = 0; j < D; ++j) {
@@ -533,17 +553,11 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
   constexpr int natural = natural_vec<scalar_t>();
   const int N = c.N, S = c.S, D = c.D;
   const int64_t T = c.T;
-  const int64_t stride = D + c.extra_stride;
-  const int offset = c.misaligned ? 1 : 0;
+  const BackwardRows<scalar_t> rows_of(T, D, c.extra_stride, c.misaligned, c.magnitude, rng);
+  const int64_t stride = rows_of.stride;
+  const int offset = rows_of.offset;
   const double eps = 1e-6;
   std::normal_distribution<double> normal;
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  const size_t len = offset + T * stride + natural;
-  auto rows_of = [&](double scale, bool big) {
-    std::vector<scalar_t> v(len);
-    for (auto& x : v) x = static_cast<scalar_t>(big ? uniform(rng) * c.magnitude : normal(rng) * scale);
-    return v;
-  };
   std::vector<std::vector<scalar_t>> src(N), dy(c.has_dy ? S : 0);
   for (int i = 0; i < N; ++i) src[i] = rows_of(1.0 + i % 3, c.magnitude > 0);
   for (auto& g : dy) g = rows_of(1.0, false);
@@ -551,9 +565,7 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
   for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
   for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
   for (auto& x : dlse) x = static_cast<acc_t>(normal(rng));
-  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) {
-    return static_cast<ld>(static_cast<acc_t>(v[offset + t * stride + j]));
-  };
+  auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) { return rows_of.at(v, t, j); };
   // The forward's statistics, rounded as stored.
   std::vector<acc_t> rstd(N * T), weights(static_cast<size_t>(S) * N * T), out_rstd(T);
   std::vector<scalar_t> h(c.norm ? T * D : 0);
