@@ -36,25 +36,48 @@ using at::vec::Vectorized;
 // Readers whose dot products one sweep forms (registers: 2 chains each).
 constexpr int kGroup = 4;
 
+// Independent FMA chains of each reduction in the block-read sweeps, and
+// the row steps a round covers: two chains, so one round is two vectors of
+// the accumulation type (one step of bf16/fp16, two of float/double). The
+// chain of a vector is a constant after unrolling, never computed from j:
+// an index computed at run time kept the accumulators in memory (a store
+// and a reload per FMA; phase 1's sweeps ran at about half speed,
+// docs/design.md §10).
+constexpr int kDotChains = 2;
+template <typename scalar_t>
+constexpr int kStepsPerRound = kDotChains / Lanes<scalar_t>::kParts;
+
 // G dot products <y_g, v> (and, with kSquares, <v, v>) of one row in one
-// sweep; two FMA chains per reduction.
+// sweep; kDotChains FMA chains per reduction.
 template <int G, bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_dots(const scalar_t* v, const acc_t* const* y, int64_t D, acc_t& sumsq, acc_t* dots) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  AVec sq[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
-  AVec d[G][2];
-  for (int g = 0; g < G; ++g) d[g][0] = d[g][1] = AVec(acc_t(0));
+  constexpr int kRound = kStepsPerRound<scalar_t>;
+  AVec sq[kDotChains], d[G][kDotChains];
+#pragma GCC unroll 2
+  for (int c = 0; c < kDotChains; ++c) {
+    sq[c] = AVec(acc_t(0));
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) d[g][c] = AVec(acc_t(0));
+  }
   int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes, 0, 3);
-    AVec vv[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int c = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
-      const int64_t o = j + k * AVec::size();
-      if constexpr (kSquares) sq[c] = at::vec::fmadd(vv[k], vv[k], sq[c]);
-      for (int g = 0; g < G; ++g) d[g][c] = at::vec::fmadd(AVec::loadu(y[g] + o), vv[k], d[g][c]);
+  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+    for (int b = 0; b < int(kRound * L::kStep * sizeof(scalar_t)); b += 64) {  // a line each
+      __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes + b, 0, 3);
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < kRound; ++r) {
+      AVec vv[L::kParts];
+      L::load(v + j + r * L::kStep, vv);
+#pragma GCC unroll 2
+      for (int k = 0; k < L::kParts; ++k) {
+        const int c = r * L::kParts + k;
+        const int64_t o = j + r * L::kStep + k * AVec::size();
+        if constexpr (kSquares) sq[c] = at::vec::fmadd(vv[k], vv[k], sq[c]);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) d[g][c] = at::vec::fmadd(AVec::loadu(y[g] + o), vv[k], d[g][c]);
+      }
     }
   }
   acc_t s2 = hsum(sq[0] + sq[1]);
@@ -106,21 +129,43 @@ void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const 
                        int64_t N, int64_t D) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
+  // A round of kDotChains vectors a reader: G x kDotChains independent
+  // chains, N FMAs long.
+  constexpr int kRound = kStepsPerRound<scalar_t>;
   int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec acc[G][L::kParts];
+  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+    AVec acc[G][kDotChains];
+#pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      for (int k = 0; k < L::kParts; ++k) acc[g][k] = AVec(acc_t(0));
+#pragma GCC unroll 2
+      for (int c = 0; c < kDotChains; ++c) acc[g][c] = AVec(acc_t(0));
     }
     for (int64_t i = 0; i < N; ++i) {
-      AVec vv[L::kParts];
-      L::load(rows[i] + j, vv);
+      AVec vv[kDotChains];
+#pragma GCC unroll 2
+      for (int r = 0; r < kRound; ++r) {
+        AVec part[L::kParts];
+        L::load(rows[i] + j + r * L::kStep, part);
+#pragma GCC unroll 2
+        for (int k = 0; k < L::kParts; ++k) vv[r * L::kParts + k] = part[k];
+      }
+#pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const AVec wv(w[g * N + i]);
-        for (int k = 0; k < L::kParts; ++k) acc[g][k] = at::vec::fmadd(wv, vv[k], acc[g][k]);
+#pragma GCC unroll 2
+        for (int c = 0; c < kDotChains; ++c) acc[g][c] = at::vec::fmadd(wv, vv[c], acc[g][c]);
       }
     }
-    for (int g = 0; g < G; ++g) L::store(out[g] + j, acc[g]);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 2
+      for (int r = 0; r < kRound; ++r) {
+        AVec part[L::kParts];
+#pragma GCC unroll 2
+        for (int k = 0; k < L::kParts; ++k) part[k] = acc[g][r * L::kParts + k];
+        L::store(out[g] + j + r * L::kStep, part);
+      }
+    }
   }
   for (; j < D; ++j) {
     for (int g = 0; g < G; ++g) {
@@ -325,34 +370,64 @@ void row_block_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* const* 
                            int64_t S, acc_t* z, int64_t D) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
+  // A round of kDotChains vectors, each with two chains (the dy terms and
+  // the u terms): 2 S FMAs in one chain made the sweep latency-bound.
+  constexpr int kRound = kStepsPerRound<scalar_t>;
+  constexpr int64_t kW = AVec::size();
   int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec vv[L::kParts], out[L::kParts];
-    L::load(v + j, vv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int64_t o = j + k * AVec::size();
-      AVec g = AVec(B) * vv[k];
-      for (int64_t s = 0; s < S; ++s) {
-        if (dy) g = at::vec::fmadd(AVec(a[s]), AVec::loadu(dy[s] + o), g);
-        g = at::vec::fmadd(AVec(alpha[s]), AVec::loadu(u[s] + o), g);
-        if (z) {
-          acc_t* zs = z + s * D + o;
-          at::vec::fmadd(AVec(alpha[s]), vv[k], AVec::loadu(zs)).store(zs);
+  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+    AVec vv[kDotChains], gd[kDotChains], gu[kDotChains];
+#pragma GCC unroll 2
+    for (int r = 0; r < kRound; ++r) {
+      AVec part[L::kParts];
+      L::load(v + j + r * L::kStep, part);
+#pragma GCC unroll 2
+      for (int k = 0; k < L::kParts; ++k) vv[r * L::kParts + k] = part[k];
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < kDotChains; ++c) {
+      gd[c] = AVec(B) * vv[c];
+      gu[c] = AVec(acc_t(0));
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const AVec as(a[s]), al(alpha[s]);
+      const acc_t* us = u[s] + j;
+      if (dy) {
+        const acc_t* dys = dy[s] + j;
+#pragma GCC unroll 2
+        for (int c = 0; c < kDotChains; ++c) gd[c] = at::vec::fmadd(as, AVec::loadu(dys + c * kW), gd[c]);
+      }
+#pragma GCC unroll 2
+      for (int c = 0; c < kDotChains; ++c) gu[c] = at::vec::fmadd(al, AVec::loadu(us + c * kW), gu[c]);
+      if (z) {
+        acc_t* zs = z + s * D + j;
+#pragma GCC unroll 2
+        for (int c = 0; c < kDotChains; ++c) {
+          at::vec::fmadd(al, vv[c], AVec::loadu(zs + c * kW)).store(zs + c * kW);
         }
       }
-      out[k] = g;
     }
-    if (dv) L::store(dv + j, out);
+    if (dv) {
+#pragma GCC unroll 2
+      for (int r = 0; r < kRound; ++r) {
+        AVec part[L::kParts];
+#pragma GCC unroll 2
+        for (int k = 0; k < L::kParts; ++k) {
+          part[k] = gd[r * L::kParts + k] + gu[r * L::kParts + k];
+        }
+        L::store(dv + j + r * L::kStep, part);
+      }
+    }
   }
   for (; j < D; ++j) {
     const acc_t vj = static_cast<acc_t>(v[j]);
-    acc_t g = B * vj;
+    acc_t gdj = B * vj, guj = 0;
     for (int64_t s = 0; s < S; ++s) {
-      if (dy) g += a[s] * dy[s][j];
-      g += alpha[s] * u[s][j];
+      if (dy) gdj += a[s] * dy[s][j];
+      guj += alpha[s] * u[s][j];
       if (z) z[s * D + j] += alpha[s] * vj;
     }
-    if (dv) dv[j] = static_cast<scalar_t>(g);
+    if (dv) dv[j] = static_cast<scalar_t>(gdj + guj);
   }
 }
 
@@ -681,17 +756,24 @@ void merge_token_grad(const dh_t* dh, const scalar_t* y, const scalar_t* P, cons
   using AVec = typename L::AVec;
   // Sweep 1: c = <dh, P - y> (elementwise difference: nothing cancels
   // beyond it) and <u, P>.
-  AVec cd[2] = {AVec(acc_t(0)), AVec(acc_t(0))}, ud[2] = {AVec(acc_t(0)), AVec(acc_t(0))};
+  constexpr int kRound = kStepsPerRound<scalar_t>;
+  AVec cd[kDotChains] = {AVec(acc_t(0)), AVec(acc_t(0))};
+  AVec ud[kDotChains] = {AVec(acc_t(0)), AVec(acc_t(0))};
   int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec hv[L::kParts], yv[L::kParts], pv[L::kParts];
-    load_dh<scalar_t>(dh + j, hv);
-    L::load(y + j, yv);
-    L::load(P + j, pv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int ch = L::kParts == 2 ? k : static_cast<int>((j / L::kStep) & 1);
-      cd[ch] = at::vec::fmadd(hv[k], pv[k] - yv[k], cd[ch]);
-      ud[ch] = at::vec::fmadd(AVec::loadu(u + j + k * AVec::size()), pv[k], ud[ch]);
+  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+#pragma GCC unroll 2
+    for (int r = 0; r < kRound; ++r) {
+      const int64_t jr = j + r * L::kStep;
+      AVec hv[L::kParts], yv[L::kParts], pv[L::kParts];
+      load_dh<scalar_t>(dh + jr, hv);
+      L::load(y + jr, yv);
+      L::load(P + jr, pv);
+#pragma GCC unroll 2
+      for (int k = 0; k < L::kParts; ++k) {
+        const int ch = r * L::kParts + k;
+        cd[ch] = at::vec::fmadd(hv[k], pv[k] - yv[k], cd[ch]);
+        ud[ch] = at::vec::fmadd(AVec::loadu(u + jr + k * AVec::size()), pv[k], ud[ch]);
+      }
     }
   }
   acc_t cdot = hsum(cd[0] + cd[1]), udot = hsum(ud[0] + ud[1]);
