@@ -14,6 +14,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -540,6 +542,11 @@ struct ReadsBackwardCase {
   bool with_dlse = true;
   bool all_wanted = true;   // false: odd sources' gradients and z not wanted
   double magnitude = 0;     // > 0: sources uniform in +-magnitude (the rare tokens)
+  // N = 2, S = 3, D = 2, eps 0: rows c = 1e-12 and (1/2, -1/2), scores ~1,
+  // dy = K = 6.6e26: each reader's beta of row 0 (-alpha r s / D, alpha r s
+  // = K / (2 c) = 3.3e38) is ~-1.65e38, in float32, and their sum is not
+  // (the rare check on the summed betas; possible only when S > D).
+  bool summed_betas = false;
 };
 
 // The forward's statistics are computed in long double and rounded as
@@ -556,13 +563,30 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
   const BackwardRows<scalar_t> rows_of(T, D, c.extra_stride, c.misaligned, c.magnitude, rng);
   const int64_t stride = rows_of.stride;
   const int offset = rows_of.offset;
-  const double eps = 1e-6;
+  const double eps = c.summed_betas ? 0.0 : 1e-6;
   std::normal_distribution<double> normal;
   std::vector<std::vector<scalar_t>> src(N), dy(c.has_dy ? S : 0);
   for (int i = 0; i < N; ++i) src[i] = rows_of(1.0 + i % 3, c.magnitude > 0);
   for (auto& g : dy) g = rows_of(1.0, false);
   std::vector<acc_t> u(static_cast<size_t>(S) * D), w(D), dlse(c.with_dlse ? S * T : 0);
   for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
+  if (c.summed_betas) {
+    if (N != 2 || S != 3 || D != 2 || !c.has_dy) {
+      std::fprintf(stderr, "summed_betas needs N = 2, S = 3, D = 2 and dy\n");
+      std::abort();
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      for (int j = 0; j < D; ++j) {
+        const int64_t k = rows_of.offset + t * rows_of.stride + j;
+        src[0][k] = static_cast<scalar_t>(1e-12);
+        src[1][k] = static_cast<scalar_t>(j ? -0.5 : 0.5);
+        for (auto& g : dy) g[k] = static_cast<scalar_t>(6.6e26);
+      }
+    }
+    // Three different readers, nearly equal weights.
+    const acc_t q[3][2] = {{1, 0}, {1, acc_t(1e-3)}, {1, acc_t(-1e-3)}};
+    for (int s = 0; s < 3; ++s) std::copy(q[s], q[s] + 2, u.begin() + 2 * s);
+  }
   for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
   for (auto& x : dlse) x = static_cast<acc_t>(normal(rng));
   auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) { return rows_of.at(v, t, j); };
@@ -706,6 +730,7 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
                 c.has_dy ? "" : " (no dy)", c.with_dlse ? "" : " (no dlse)",
                 c.all_wanted ? "" : " (some dv, no z)", c.magnitude > 0 ? " range" : "",
                 layout.overflow.empty() ? "" : " overflow");
+  if (c.summed_betas) std::strncat(what, " summed betas", sizeof what - std::strlen(what) - 1);
   std::vector<double> got_dv, want_dv;
   for (int i = 0; i < N; ++i) {
     if (!wanted(i)) continue;
@@ -796,6 +821,9 @@ int run_dtype(std::mt19937_64& rng) {
     reads_cases.push_back({3, 1, 64, 4, 0, false, 0, true, true, true, true, 1e36});
     reads_cases.push_back({3, 1, 64, 9, 0, false, 1, true, true, true, true, 1e36});
     reads_cases.push_back({3, 3, 64, 9, 0, false, 1, false, false, true, true, 1e36});
+    // Betas that overflow only when the readers' are summed; also one CTA.
+    reads_cases.push_back({2, 3, 2, 5, 0, false, 0, false, true, true, true, 0, true});
+    reads_cases.push_back({2, 3, 2, 9, 0, false, 1, false, true, true, true, 0, true});
   }
   for (const ReadsBackwardCase& c : reads_cases) run_reads_backward<scalar_t>(c, rng, chk);
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) run_merge_at_max<scalar_t>(chk);

@@ -552,12 +552,14 @@ def leaves_of(*tensors):
     return [None if x is None else x.detach().clone().requires_grad_(True) for x in tensors]
 
 
-def check_phase_one_near_the_limits(sources, queries, gains, dtype, *, eps, scale, gen, what):
+def check_phase_one_near_the_limits(sources, queries, gains, dtype, *, eps, scale, gen, what,
+                                    dy=None):
     """block_reads alone: partial_outs, lse and the gradients of the
-    sources, queries and gains for random dy and dlse."""
+    sources, queries and gains for random dy (unless given) and dlse."""
     S, n = queries.shape[0], len(sources)
-    dy = [torch.randn(sources[0].shape, generator=gen, dtype=torch.float64).to(dtype)
-          for _ in range(S)]
+    if dy is None:
+        dy = [torch.randn(sources[0].shape, generator=gen, dtype=torch.float64).to(dtype)
+              for _ in range(S)]
     dlse = torch.randn(S, *sources[0].shape[:-1], generator=gen, dtype=torch.float64)
     *srcs, q, g = leaves_of(*sources, queries, gains)
     wrt = [*srcs, q] + ([] if g is None else [g])
@@ -785,6 +787,28 @@ def test_mixed_magnitudes_and_saturated_weights_near_the_limits(dtype):
                 if dtype == torch.float32:
                     check_reads_near_the_limits(sources, block_sum, queries, None, dtype,
                                                 eps=eps, scale=1.0, seed=15, what=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_readers_betas_that_overflow_only_when_summed(dtype):
+    """Phase 1's backward adds the S readers' beta coefficients of a source
+    row before it scales the row (dv = sum_s (a dy_s + alpha u_s) + (sum_s
+    beta_s) v). Each beta = -alpha r s / D is formed through alpha r s, so a
+    beta in range is at most the maximum / D, and a sum of S of them can
+    overflow only when S > D: here D = 2, S = 3, each beta of the tiny row
+    v0 is about -1.65e38 and their sum -4.95e38 is not a float32; the
+    token must take the wide path (design §10, "Range"), its true gradient
+    is ~1e27. Constructed: rows c * 1 (rstd 1/c, eps 0) and (1/2, -1/2)
+    (<dy, v1> = 0 for a constant dy), nearly equal scores ~1 (weights ~1/2),
+    dy = K: alpha r s = a0 a1 (2 c K) r^2 s = K / (2 c)."""
+    c, K = 1e-12, 6.6e26
+    v0 = torch.full((3, 2), c, dtype=torch.float64).to(dtype)
+    v1 = torch.tensor([[0.5, -0.5]] * 3, dtype=torch.float64).to(dtype)
+    queries = torch.tensor([[1.0, 0.0], [1.0, 1e-3], [1.0, -1e-3]])  # three different readers
+    dy = [torch.full((3, 2), K, dtype=torch.float64).to(dtype) for _ in range(3)]
+    check_phase_one_near_the_limits([v0, v1], queries, None, dtype, eps=0.0, scale=1.0,
+                                    gen=torch.Generator().manual_seed(16),
+                                    what="summed betas", dy=dy)
 
 
 def test_inplace_merge_equals_the_merge_and_refuses_gradients():
