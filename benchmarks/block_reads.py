@@ -404,12 +404,14 @@ def main():
     load_after = os.getloadavg()
     out.append(f"\nLoad average (1, 5, 15 min) at the start: "
                f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "
-               f"{', '.join(f'{x:.1f}' for x in load_after)} (the VM is shared; other jobs ran).")
+               f"{', '.join(f'{x:.1f}' for x in load_after)} (this script keeps ~2 threads busy; "
+               f"more means other jobs shared the machine).")
     if not args.quick:
         stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
         suffix = (f"_reads_T{T}" if args.reads_only else
                   "" if T == 2048 else f"_T{T}")
         path = Path(args.out_dir) / f"block_reads_{stem}{suffix}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(out) + "\n")
         print(f"wrote {path}", file=sys.stderr)
 
