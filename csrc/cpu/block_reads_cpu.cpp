@@ -44,6 +44,7 @@ constexpr int kGroup = 4;
 // and a reload per FMA; phase 1's sweeps ran at about half speed,
 // docs/design.md §10).
 constexpr int kDotChains = 2;
+static_assert(kDotChains == 2, "the sweeps below add and initialize exactly two chains");
 template <typename scalar_t>
 constexpr int kStepsPerRound = kDotChains / Lanes<scalar_t>::kParts;
 

@@ -95,7 +95,8 @@ def read_all(sources, block_sum, queries, gains, dh, merge_from=1):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gain", [True, False])
-@pytest.mark.parametrize("n,s,lead,d", [(1, 2, (4,), 5), (3, 5, (2, 3), 33), (4, 3, (7,), 256)])
+@pytest.mark.parametrize("n,s,lead,d", [(1, 2, (4,), 5), (3, 5, (2, 3), 33), (4, 3, (7,), 256),
+                                        (3, 5, (3,), 1000)])  # D = 1000: an 8-element tail
 def test_gradients_match_float64_reference(dtype, gain, n, s, lead, d):
     sources, block_sum, queries, gains = problem(n, s, lead, d, dtype, seed=1, gain=gain)
     g = torch.Generator().manual_seed(2)
@@ -792,8 +793,8 @@ def test_mixed_magnitudes_and_saturated_weights_near_the_limits(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_readers_betas_that_overflow_only_when_summed(dtype):
     """Phase 1's backward adds the S readers' beta coefficients of a source
-    row before it scales the row (dv = sum_s (a dy_s + alpha u_s) + (sum_s
-    beta_s) v). Each beta = -alpha r s / D is formed through alpha r s, so a
+    row before it scales the row (dv = sum_s (a_s dy_s + alpha_s u_s) +
+    (sum_s beta_s) v). Each beta = -alpha r s / D is formed through alpha r s, so a
     beta in range is at most the maximum / D, and a sum of S of them can
     overflow only when S > D: here D = 2, S = 3, each beta of the tiny row
     v0 is about -1.65e38 and their sum -4.95e38 is not a float32; the
