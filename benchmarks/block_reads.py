@@ -238,15 +238,20 @@ def part_phase1(T, D, repeats, out, n=9):
     merges): how its time grows with the readers it serves."""
     out.append(f"\n## Phase 1 alone: n = {n} sources, fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
     print(out[-1], flush=True)
-    out.append("| S | phase 1 ms | S one-call reads ms | ratio | phase 1 GB/s of source rows read "
-               "(the S partial outputs written not counted) |")
-    out.append("|---:|---:|---:|---:|---:|")
+    out.append("| S | phase 1 ms | S one-call reads ms | ratio | phase 1 GB/s (n + S rows) | "
+               "copy of the same bytes ms | phase 1 speed / copy speed |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(1)
     sources = [torch.randn(T, D, generator=g).to(DEV) for _ in range(n)]
     with torch.no_grad():
         for S in (1, 4, 8):
             q = (torch.randn(S, D, generator=g) / D ** 0.5).to(DEV)
             w = (torch.rand(S, D, generator=g) + 0.5).to(DEV)
+            # Phase 1 reads n source rows and writes S partial outputs a token;
+            # a tensor copy that reads and writes (n + S) / 2 rows a token
+            # moves the same bytes: the machine's copy speed, in this run.
+            copy_src = torch.randn((n + S) * T * D // 2, generator=g).to(DEV)
+            copy_dst = torch.empty_like(copy_src)
 
             def one_call():
                 for s in range(S):
@@ -255,11 +260,15 @@ def part_phase1(T, D, repeats, out, n=9):
             def phase1():
                 attnres.block_reads(sources, q, w)
 
-            one_call(), phase1()  # first touch of the outputs' memory, untimed
-            med = interleaved({"one": one_call, "p1": phase1}, repeats)
-            gbs = n * T * D * 4 / med["p1"] / 1e9
+            def copy():
+                copy_dst.copy_(copy_src)
+
+            one_call(), phase1(), copy()  # first touch of the outputs' memory, untimed
+            med = interleaved({"one": one_call, "p1": phase1, "copy": copy}, repeats)
+            gbs = (n + S) * T * D * 4 / med["p1"] / 1e9
             out.append(f"| {S} | {1e3 * med['p1']:.1f} | {1e3 * med['one']:.1f} | "
-                       f"{med['p1'] / med['one']:.3f} | {gbs:.1f} |")
+                       f"{med['p1'] / med['one']:.3f} | {gbs:.1f} | {1e3 * med['copy']:.1f} | "
+                       f"{med['copy'] / med['p1']:.2f} |")
             print(out[-1], flush=True)
 
 
