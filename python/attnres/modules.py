@@ -224,14 +224,15 @@ class DepthStream:
                     break
                 readers.append(nxt)
                 nxt = nxt._successor(state.token)
-            queries = torch.stack([r.query for r in readers])
+            params = [r._read_params() for r in readers]
+            queries = torch.stack([q for q, _, _ in params])
             gains = None
-            if reader.norm_weight is not None:
-                gains = torch.stack([r.norm_weight for r in readers])
+            if params[0][1] is not None:
+                gains = torch.stack([g for _, g, _ in params])
             # Reader 0's output norm (when it has one) is fused into phase 1:
             # partials[0] is its final read (docs/design.md §11).
             partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps,
-                                        out_weight=reader.out_weight, out_eps=reader.out_eps)
+                                        out_weight=params[0][2], out_eps=reader.out_eps)
             if not torch.is_grad_enabled():
                 state.entries.clear()  # nothing to recompute: keep one block's partials only
             state.entries[num_completed] = (self._completed[-1], readers, partials, lse)
@@ -241,18 +242,19 @@ class DepthStream:
                 or entry[1][pos] is not reader or entry[2][pos] is None):
             return reader._one_call(self.sources)
         # Phase 2 fuses the reader's output norm when it has one (§11).
+        query, gain, out_weight = reader._read_params()
         if torch.is_grad_enabled():
             return block_read_merge(
-                entry[2][pos], entry[3][pos], self._partial, reader.query, reader.norm_weight,
-                eps=reader.eps, out_weight=reader.out_weight, out_eps=reader.out_eps)
+                entry[2][pos], entry[3][pos], self._partial, query, gain,
+                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
         # Inference: h (y with an output norm) overwrites the partial output
         # it consumes (no new output allocated); a second read at this
         # position reads one-call.
         partial = entry[2][pos]
         entry[2][pos] = None
         return block_read_merge_inplace(
-            partial, entry[3][pos], self._partial, reader.query, reader.norm_weight,
-            eps=reader.eps, out_weight=reader.out_weight, out_eps=reader.out_eps)
+            partial, entry[3][pos], self._partial, query, gain,
+            eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
 
     def _checked_output(self, f) -> torch.Tensor:
         if not isinstance(f, torch.Tensor):
@@ -359,22 +361,29 @@ class AttnResResidual(nn.Module):
             object.__setattr__(self, "_pending_next_reader", None)
         return self._next_reader
 
+    def _read_params(self):
+        """(query, norm_weight, out_weight), from ``_parameters`` directly: a
+        read's host time is ~20 us, and nn.Module.__getattr__ costs ~0.4 us
+        an access (about ten a read, design §10)."""
+        p = self._parameters
+        return p["query"], p["norm_weight"], p["out_weight"]
+
     def _can_share_phase_one(self, other) -> bool:
         """Whether ``other`` can be read in this reader's phase-1 call (one
         eps, stackable parameters)."""
         if not isinstance(other, AttnResResidual) or other.dim != self.dim or other.eps != self.eps:
             return False
-        if (other.query.dtype, other.query.device) != (self.query.dtype, self.query.device):
+        (q0, g0, w0), (q1, g1, w1) = self._read_params(), other._read_params()
+        if (q1.dtype, q1.device) != (q0.dtype, q0.device):
             return False
-        if (self.norm_weight is None) != (other.norm_weight is None):
+        if (g0 is None) != (g1 is None) or (w0 is None) != (w1 is None):
             return False
-        if (self.out_weight is None) != (other.out_weight is None):
-            return False
-        return self.norm_weight is None or other.norm_weight.dtype == self.norm_weight.dtype
+        return g0 is None or g1.dtype == g0.dtype
 
     def _one_call(self, sources: List[torch.Tensor], return_weights: bool = False):
-        return depth_attention(sources, self.query, self.norm_weight, eps=self.eps,
-                               return_weights=return_weights, out_weight=self.out_weight,
+        query, gain, out_weight = self._read_params()
+        return depth_attention(sources, query, gain, eps=self.eps,
+                               return_weights=return_weights, out_weight=out_weight,
                                out_eps=self.out_eps)
 
     def reset_parameters(self) -> None:
