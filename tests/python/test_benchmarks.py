@@ -293,6 +293,22 @@ def test_block_reads_benchmark_quick():
     assert "T = 96 tokens" in proc.stdout and "Phase 1 alone" in proc.stdout
 
 
+def test_read_host_time_benchmark(tmp_path):
+    # Runs end to end (results into tmp_path): the four variants, each with
+    # a positive time per sublayer and its ratio to the plain add.
+    script = ROOT / "benchmarks" / "read_host_time.py"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script), "--repeats", "5", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r.split("|")[1].strip(): r.split("|")[2:4] for r in proc.stdout.splitlines()
+            if r.startswith("| ") and not r.startswith("| variant")}
+    assert set(rows) == {"plain residual add", "Block one_call", "Block two_phase", "Block auto"}
+    assert all(float(us) > 0 and float(ratio) > 0 for us, ratio in rows.values())
+    assert len(list(tmp_path.glob("read_host_time_*.md"))) == 1
+
+
 def test_out_norm_benchmark_quick(tmp_path):
     # Runs end to end on small sizes (results into tmp_path): every read row
     # (2 dtypes x 2 N x 2 passes) and every model variant is printed.
