@@ -85,8 +85,9 @@ def schedule(L, S):
 
 def row_counts(L, S, D):
     """Per token: (one-call bytes, two-phase bytes) of the L reads, fp32.
-    Rows of D values read/written plus the float32 statistics."""
-    e, st = 4, 4
+    Rows of D values read/written plus the statistics: float32, but lse
+    float64 (docs/design.md §10)."""
+    e, st, lse = 4, 4, 8
     one = two = 0
     for l, (k, j) in enumerate(schedule(L, S)):
         n = k + 1
@@ -94,9 +95,9 @@ def row_counts(L, S, D):
         one += (N + 1) * D * e + 2 * N * st  # sources, h; rstd + weights
         if j == 0:
             readers = min(S, L - k * S)
-            two += (n + readers) * D * e + (readers + n + readers * n) * st  # lse, rstd, weights
+            two += (n + readers) * D * e + readers * lse + (n + readers * n) * st  # rstd, weights
         else:
-            two += 3 * D * e + 3 * st  # y_j, P read, h written; lse read, rstd + weight written
+            two += 3 * D * e + lse + 2 * st  # y_j, P read, h written; lse read, rstd + weight
     return one, two
 
 

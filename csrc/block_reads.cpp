@@ -35,8 +35,13 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// A statistic [lead...] / [k, lead...] in the accumulation dtype on the
-// sources' device.
+// lse and its gradient are float64 for every source dtype: the gradient the
+// merge sends to phase 1, -a_P (1 - a_P) <dh, P - y>, can exceed float32's
+// range where the read's own gradients do not (docs/design.md §10, "Range").
+constexpr at::ScalarType kLseDtype = at::kDouble;
+
+// A statistic [lead...] / [k, lead...] in the given dtype on the sources'
+// device.
 void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType acc,
                 const at::Tensor& src0) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
@@ -97,7 +102,7 @@ DepthProblem check_merge_args(const at::Tensor& partial_out, const at::Tensor& l
   TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
   const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, eps, scale);
   check_like(partial_out, "partial_out", block_sum, "block_sum's");
-  check_stat(lse, "lse", p.lead_shape, acc_dtype_for(block_sum.scalar_type()), block_sum);
+  check_stat(lse, "lse", p.lead_shape, kLseDtype, block_sum);
   return p;
 }
 
@@ -147,7 +152,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_bloc
   for (int64_t s = 0; s < S; ++s) {
     partial_outs.push_back(detail::empty_cached(src0.sizes(), src0.options()));
   }
-  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
+  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(kLseDtype));
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
   if (p.T > 0) {
@@ -216,7 +221,7 @@ BlockReadsNormedForward run_block_reads_normed_fwd(const BlockReadKernels& k,
   const auto rows = src0.options().memory_format(at::MemoryFormat::Contiguous);
   std::vector<at::Tensor> partial_outs;
   for (int64_t s = 0; s < S; ++s) partial_outs.push_back(detail::empty_cached(src0.sizes(), rows));
-  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(acc));
+  at::Tensor lse = at::empty(with_front({S}, p.lead_shape), src0.options().dtype(kLseDtype));
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   at::Tensor weights = at::empty(with_front({S, p.N}, p.lead_shape), src0.options().dtype(acc));
   at::Tensor h = keep_h ? detail::empty_cached(src0.sizes(), rows) : at::empty({0}, src0.options());
@@ -306,7 +311,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> run_block_reads_bwd(
                     "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
                     grad_partial_outs.size());
   for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
-  if (is_defined(grad_lse)) check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), acc, src0);
+  if (is_defined(grad_lse)) {
+    check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), kLseDtype, src0);
+  }
   check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
   check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
   check_mask(output_mask, p.N + 2, "each source, queries, norm_weights");
@@ -346,7 +353,9 @@ BlockReadsNormedBackward run_block_reads_normed_bwd(
                     "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
                     grad_partial_outs.size());
   for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
-  if (is_defined(grad_lse)) check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), acc, src0);
+  if (is_defined(grad_lse)) {
+    check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), kLseDtype, src0);
+  }
   check_out_norm_args(out_weight, 0.0, sources, p);
   check_like(h, "h (the forward's read before the output norm)", src0, "the sources'");
   check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
@@ -400,7 +409,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z;
   if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
-  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(kLseDtype));
   if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (p.T > 0) {
@@ -437,7 +446,7 @@ MergeNormedBackward run_block_read_merge_normed_bwd(
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor d_partial, d_lse, d_block, z, d_out_weight;
   if (output_mask.get(0)) d_partial = detail::empty_cached(block_sum.sizes(), rows);
-  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  if (output_mask.get(1)) d_lse = at::empty(p.lead_shape, block_sum.options().dtype(kLseDtype));
   if (output_mask.get(2)) d_block = detail::empty_cached(block_sum.sizes(), rows);
   if (output_mask.get(3) || output_mask.get(4)) z = at::zeros({p.D}, query.options().dtype(acc));
   if (output_mask.get(5)) d_out_weight = at::zeros({p.D}, out_weight.options().dtype(acc));

@@ -286,7 +286,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   for (int64_t s = 0; s < S; ++s) u_rows[s] = u + s * D;
   std::vector<scalar_t*> out_p(S);
   for (int64_t s = 0; s < S; ++s) out_p[s] = call.partial_outs[s].data_ptr<scalar_t>();
-  acc_t* lse_p = call.lse.data_ptr<acc_t>();
+  double* lse_p = call.lse.data_ptr<double>();  // float64 for every dtype (§10)
   acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
   acc_t* w_p = call.weights.data_ptr<acc_t>();
 
@@ -443,7 +443,7 @@ template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void block_reads_token_wide(const std::vector<RowsOf<scalar_t>>& src, int64_t t, int64_t T,
                             int64_t N, int64_t S, int64_t D, const acc_t* const* dy,
                             const acc_t* const* u, const acc_t* rstd_p, const acc_t* w_p,
-                            const acc_t* dlse_p, const std::vector<scalar_t*>& dv_p, acc_t* z) {
+                            const double* dlse_p, const std::vector<scalar_t*>& dv_p, acc_t* z) {
   using W = typename math::WideType<acc_t>::type;
   std::vector<W> dp(S * N), su(S * N), a(N * S), alpha(N * S), beta(N, W(0));
   for (int64_t i = 0; i < N; ++i) {
@@ -510,7 +510,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   const acc_t* u = call.u.const_data_ptr<acc_t>();
   const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
   const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
-  const acc_t* dlse_p = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<acc_t>() : nullptr;
+  const double* dlse_p = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<double>() : nullptr;
   std::vector<scalar_t*> dv_p(N, nullptr);
   for (int64_t i = 0; i < N; ++i) {
     if (call.grad_sources[i].defined()) dv_p[i] = call.grad_sources[i].data_ptr<scalar_t>();
@@ -584,7 +584,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
           for (int64_t j = 0; j < N; ++j) {
             if (j != piv) sum_rel += weight(j) * (dp[s * N + j] - dp_piv);
           }
-          if (dlse_p) sum_rel -= dlse_p[s * T + t];
+          if (dlse_p) sum_rel -= static_cast<acc_t>(dlse_p[s * T + t]);  // inf: a rare token
           for (int64_t i = 0; i < N; ++i) {
             const acc_t a = weight(i), r = rstd_p[i * T + t], dp_rel = dp[s * N + i] - dp_piv;
             const auto g = math::source_grad_coefficients(a, r, su[s * N + i], dp_rel, sum_rel, D);
@@ -630,7 +630,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
   const acc_t eps = static_cast<acc_t>(call.eps);
   const RowsOf<scalar_t> y_rows(call.partial_out), p_rows(call.block_sum);
   const acc_t* u = call.u.const_data_ptr<acc_t>();
-  const acc_t* lse_p = call.lse.const_data_ptr<acc_t>();
+  const double* lse_p = call.lse.const_data_ptr<double>();
   scalar_t* out_p = call.out.data_ptr<scalar_t>();
   acc_t* rstd_p = call.rstd.data_ptr<acc_t>();
   acc_t* w_p = call.weight.data_ptr<acc_t>();
@@ -650,7 +650,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
       const bool rescued = row_stats_many(P, &u, 1, D, eps, r, &s);
       // The exact merge: phase 1's state (m, l) = (lse, 1), plus score s.
       math::OnlineSoftmax<acc_t> st;
-      st.init(lse_p[t]);
+      st.init(static_cast<acc_t>(lse_p[t]));
       acc_t keep, take;
       st.push(s, keep, take);
       const acc_t f = st.out_factor();
@@ -712,7 +712,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
 // (math::backward_row_is_rare), as block_reads_token_wide.
 template <typename scalar_t, typename dh_t, typename acc_t = at::opmath_type<scalar_t>>
 void merge_token_wide(const dh_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
-                      acc_t a_acc, acc_t r_acc, int64_t D, scalar_t* dy, acc_t* dlse,
+                      acc_t a_acc, acc_t r_acc, int64_t D, scalar_t* dy, double* dlse,
                       scalar_t* dP, acc_t* z) {
   using W = typename math::WideType<acc_t>::type;
   auto wide = [](auto x) { return static_cast<W>(static_cast<acc_t>(x)); };
@@ -723,7 +723,7 @@ void merge_token_wide(const dh_t* dh, const scalar_t* y, const scalar_t* P, cons
   }
   const W a = a_acc, r = r_acc, keep = W(1) - a;
   const auto g = math::source_grad_coefficients<W>(a, r, math::score(r, udot), keep * cdot, W(0), D);
-  if (dlse) *dlse = static_cast<acc_t>(-(a * (keep * cdot)));
+  if (dlse) *dlse = static_cast<double>(-(a * (keep * cdot)));  // not rounded to acc_t
   for (int64_t d = 0; d < D; ++d) {
     const W hd = wide(dh[d]), pd = wide(P[d]);
     if (dy) dy[d] = static_cast<scalar_t>(static_cast<acc_t>(keep * hd));
@@ -751,7 +751,7 @@ void load_dh(const dh_t* p, typename Lanes<scalar_t>::AVec (&v)[Lanes<scalar_t>:
 // The phase-2 backward of one token from its dh row (scalar_t or acc_t).
 template <typename scalar_t, typename dh_t, typename acc_t = at::opmath_type<scalar_t>>
 void merge_token_grad(const dh_t* dh, const scalar_t* y, const scalar_t* P, const acc_t* u,
-                      acc_t a, acc_t r, int64_t D, scalar_t* dy, acc_t* dlse, scalar_t* dP,
+                      acc_t a, acc_t r, int64_t D, scalar_t* dy, double* dlse, scalar_t* dP,
                       acc_t* z) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
@@ -825,7 +825,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
   const acc_t* w_p = call.weight.const_data_ptr<acc_t>();
   scalar_t* dy_p = call.grad_partial_out.defined() ? call.grad_partial_out.data_ptr<scalar_t>() : nullptr;
-  acc_t* dlse_p = call.grad_lse.defined() ? call.grad_lse.data_ptr<acc_t>() : nullptr;
+  double* dlse_p = call.grad_lse.defined() ? call.grad_lse.data_ptr<double>() : nullptr;
   scalar_t* dP_p = call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
   const bool want_z = call.z.defined();
   const Chunks chunks = z_chunks(T, D, sizeof(acc_t));
@@ -851,7 +851,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
       for (int64_t t = c * chunks.size; t < t_end; ++t) {
         scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
         scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
-        acc_t* dlse = dlse_p ? dlse_p + t : nullptr;
+        double* dlse = dlse_p ? dlse_p + t : nullptr;
         if (norm) {
           row_normed_grad(dh_buf.data(), dh_rows.row(t), h_rows->row(t), norm_w, norm_r[t], dw,
                           D);

@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kBlockReadThreads)
       math::rescaled_stats(sums[1], sums[0], c, D, p.eps, r, s);
     }
     math::OnlineSoftmax<acc_t> st;
-    st.init(p.lse[t]);
+    st.init(static_cast<acc_t>(p.lse[t]));
     acc_t keep, take;
     st.push(s, keep, take);
     const acc_t f = st.out_factor();
@@ -459,7 +459,7 @@ __device__ ATTNRES_NOINLINE void merge_bwd_token_wide(const MergeBackwardParams<
   const W a = p.weight[t], r = p.rstd[t], keep = W(1) - a;
   const auto c = math::source_grad_coefficients<W>(a, r, math::score(r, sums[1]),
                                                    keep * sums[0], W(0), D);
-  if (lane == 0 && p.grad_lse) p.grad_lse[t] = static_cast<acc_t>(-(a * (keep * sums[0])));
+  if (lane == 0 && p.grad_lse) p.grad_lse[t] = static_cast<double>(-(a * (keep * sums[0])));
   merge_bwd_sweep<scalar_t, VEC, kNorm, W>(p, t, keep, c.a, c.alpha, c.beta, nr, nc, z_row,
                                            dw_row, started);
 }
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     if (kHasRarePath && math::backward_row_is_rare(a, r, s, dp_rel, acc_t(0), c)) {
       merge_bwd_token_wide<scalar_t, VEC, kNorm>(p, t, nr, nc, z_row, dw_row, started);
     } else {
-      if (lane == 0 && p.grad_lse) p.grad_lse[t] = -(a * dp_rel);
+      if (lane == 0 && p.grad_lse) p.grad_lse[t] = static_cast<double>(-(a * dp_rel));
       merge_bwd_sweep<scalar_t, VEC, kNorm, acc_t>(p, t, acc_t(1) - a, c.a, c.alpha, c.beta, nr,
                                                    nc, z_row, dw_row, started);
     }

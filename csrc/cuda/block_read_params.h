@@ -37,7 +37,7 @@ struct BlockReadsParams {
   const SourceEntry* overflow;    // sources kTableCapacity.. (device memory)
   const acc_t* u;                 // [S, D]: this launch's readers' rows
   scalar_t* out[kReadersPerLaunch];  // [T, D] contiguous each
-  acc_t* lse;                     // [S, T] (this launch's rows)
+  double* lse;                    // [S, T] (this launch's rows); float64 for every dtype
   acc_t* rstd;                    // [N, T]
   acc_t* weights;                 // [S, N, T]: scores first, then weights
   // Reader 0's fused output norm (docs/design.md §11), in the launch that
@@ -57,7 +57,7 @@ struct MergeParams {
   const scalar_t* partial;  // rows partial_stride apart
   const scalar_t* block_sum;
   int64_t partial_stride, block_stride;
-  const acc_t* lse;  // [T]
+  const double* lse;  // [T] (float64 for every dtype)
   const acc_t* u;    // [D]
   scalar_t* out;     // [T, D] contiguous; may be partial itself (in place)
   acc_t* rstd;       // [T]
@@ -87,7 +87,7 @@ struct MergeBackwardParams {
   const acc_t* norm_weight;  // [D] (the fused norm only)
   const acc_t* norm_rstd;    // [T]
   scalar_t* grad_partial;  // [T, D] contiguous, or null
-  acc_t* grad_lse;         // [T], or null
+  double* grad_lse;        // [T], or null (float64: may exceed acc_t's range)
   scalar_t* grad_block;    // [T, D] contiguous, or null
   acc_t* z_rows;           // [warps, D]: sum over a warp's tokens of alpha P, or null
   acc_t* dw_rows;          // [warps, D]: sum of dy n (the fused norm), or null
@@ -111,7 +111,7 @@ struct BlockReadsBackwardParams {
   const acc_t* u;                  // [S, D]
   const acc_t* rstd;               // [N, T]
   const acc_t* weights;            // [S, N, T]
-  const acc_t* grad_lse;           // [S, T], or null
+  const double* grad_lse;          // [S, T], or null (float64)
   acc_t* dot_scratch;              // [warps, S, N]: <dy_s, v_i>, then beta_{s,i}
   acc_t* coef_scratch;             // [warps, S, N]: scores, then alpha_{s,i}
   acc_t* beta;                     // [warps, N]: sum_s beta_{s,i}
@@ -155,7 +155,7 @@ inline int64_t block_read_grid(int64_t T, int64_t resident_ctas) {
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 BlockReadsParams<scalar_t> block_reads_params(const SourceTableLayout& layout,
                                               const SourceEntry* overflow, const acc_t* u,
-                                              scalar_t* const* outs, acc_t* lse, acc_t* rstd,
+                                              scalar_t* const* outs, double* lse, acc_t* rstd,
                                               acc_t* weights, int64_t T, int N, int S_total,
                                               int D, acc_t eps, int s_begin) {
   BlockReadsParams<scalar_t> p{};
@@ -188,7 +188,7 @@ void set_block_read_norm(Params& p, const acc_t* weight, acc_t* rstd, scalar_t* 
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 MergeParams<scalar_t> merge_params(const scalar_t* partial, int64_t partial_stride,
                                    const scalar_t* block_sum, int64_t block_stride,
-                                   const acc_t* lse, const acc_t* u, scalar_t* out, acc_t* rstd,
+                                   const double* lse, const acc_t* u, scalar_t* out, acc_t* rstd,
                                    acc_t* weight, int64_t T, int D, acc_t eps) {
   MergeParams<scalar_t> p{};
   p.partial = partial;
@@ -211,7 +211,7 @@ MergeParams<scalar_t> merge_params(const scalar_t* partial, int64_t partial_stri
 // runs one (block_reads_cuda.cu on the GPU, the emulation on the CPU).
 template <typename scalar_t, typename Launch, typename acc_t = at::opmath_type<scalar_t>>
 void for_each_block_reads_launch(const SourceTableLayout& layout, const SourceEntry* overflow,
-                                 const acc_t* u, scalar_t* const* outs, acc_t* lse, acc_t* rstd,
+                                 const acc_t* u, scalar_t* const* outs, double* lse, acc_t* rstd,
                                  acc_t* weights, int64_t T, int N, int S, int D, acc_t eps,
                                  const acc_t* norm_weight, acc_t* norm_rstd, scalar_t* h_keep,
                                  acc_t norm_eps, Launch&& launch) {

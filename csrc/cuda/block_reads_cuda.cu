@@ -69,7 +69,7 @@ void reads_forward(const BlockReadsForwardCall& call) {
             call.D, natural);
         for_each_block_reads_launch<scalar_t>(
             src.layout, src.overflow_on_device(), call.u.const_data_ptr<acc_t>(), outs.data(),
-            call.lse.data_ptr<acc_t>(), call.rstd.data_ptr<acc_t>(),
+            call.lse.data_ptr<double>(), call.rstd.data_ptr<acc_t>(),
             call.weights.data_ptr<acc_t>(), call.T, static_cast<int>(call.N),
             static_cast<int>(call.S), static_cast<int>(call.D), static_cast<acc_t>(call.eps),
             norm ? norm_weight.const_data_ptr<acc_t>() : nullptr,
@@ -104,7 +104,7 @@ void merge_forward(const MergeForwardCall& call) {
         MergeParams<scalar_t> p = merge_params<scalar_t>(
             partial.tensor.const_data_ptr<scalar_t>(), partial.row_stride,
             block.tensor.const_data_ptr<scalar_t>(), block.row_stride,
-            call.lse.const_data_ptr<acc_t>(), call.u.const_data_ptr<acc_t>(),
+            call.lse.const_data_ptr<double>(), call.u.const_data_ptr<acc_t>(),
             call.out.data_ptr<scalar_t>(), call.rstd.data_ptr<acc_t>(),
             call.weight.data_ptr<acc_t>(), call.T, static_cast<int>(call.D),
             static_cast<acc_t>(call.eps));
@@ -200,7 +200,7 @@ void merge_backward(const MergeBackwardCall& call) {
         p.weight = call.weight.const_data_ptr<acc_t>();
         p.grad_partial =
             call.grad_partial_out.defined() ? call.grad_partial_out.data_ptr<scalar_t>() : nullptr;
-        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.data_ptr<acc_t>() : nullptr;
+        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.data_ptr<double>() : nullptr;
         p.grad_block =
             call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
         p.T = call.T;
@@ -268,7 +268,7 @@ void reads_backward(const BlockReadsBackwardCall& call) {
         p.u = call.u.const_data_ptr<acc_t>();
         p.rstd = call.rstd.const_data_ptr<acc_t>();
         p.weights = call.weights.const_data_ptr<acc_t>();
-        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<acc_t>() : nullptr;
+        p.grad_lse = call.grad_lse.defined() ? call.grad_lse.const_data_ptr<double>() : nullptr;
         // A warp's scratch ([S, N] twice, [N]); the rare tokens' in double
         // where the accumulation is float.
         const at::Tensor dot = at::empty({rows, S, N}, acc_opts);

@@ -395,6 +395,12 @@ def check_block_reads_args(sources, queries, norm_weights, eps, scale) -> None:
     check_args(sources, queries[0], gain0, eps, scale)
 
 
+# lse and its gradient are float64 for every source dtype (csrc/block_reads.cpp
+# kLseDtype): the gradient the merge sends to phase 1 can exceed float32's range
+# where the read's own gradients do not (docs/design.md §10, "Range").
+_LSE_DTYPE = torch.float64
+
+
 @torch.library.register_fake("attnres::block_reads_fwd")
 def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale):
     check_block_reads_args(sources, queries, norm_weights, eps, scale)
@@ -402,7 +408,7 @@ def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale):
     S, N, lead = queries.shape[0], len(sources), tuple(src0.shape[:-1])
     acc = _acc_dtype(src0.dtype)
     partial_outs = [torch.empty(src0.shape, dtype=src0.dtype, device=src0.device) for _ in range(S)]
-    lse = src0.new_empty((S, *lead), dtype=acc)
+    lse = src0.new_empty((S, *lead), dtype=_LSE_DTYPE)
     rstd = src0.new_empty((N, *lead), dtype=acc)
     weights = src0.new_empty((S, N, *lead), dtype=acc)
     return partial_outs, lse, rstd, weights
@@ -422,7 +428,7 @@ def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_we
     for g in grad_partial_outs:
         _check_like(g, "grad_partial_outs", src0, "the sources'")
     if grad_lse is not None:
-        _check_stat(grad_lse, "grad_lse", [S, *lead], acc, src0)
+        _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
     _check_stat(rstd, "rstd", [N, *lead], acc, src0)
     _check_stat(weights, "weights", [S, N, *lead], acc, src0)
     if len(output_mask) != N + 2:
@@ -464,7 +470,7 @@ def _block_reads_normed_bwd_fake(grad_partial_outs, grad_lse, sources, queries, 
     for g in grad_partial_outs:
         _check_like(g, "grad_partial_outs", src0, "the sources'")
     if grad_lse is not None:
-        _check_stat(grad_lse, "grad_lse", [S, *lead], acc, src0)
+        _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
     check_out_norm_args(out_weight, 0.0, src0)
     _check_like(h, "h (the forward's read before the output norm)", src0, "the sources'")
     _check_stat(rstd, "rstd", [N, *lead], acc, src0)
@@ -490,7 +496,7 @@ def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale
         raise ValueError("block_sum must be a tensor [..., D]")
     check_args([block_sum], query, norm_weight, eps, scale)
     _check_like(partial_out, "partial_out", block_sum, "block_sum's")
-    _check_stat(lse, "lse", block_sum.shape[:-1], _acc_dtype(block_sum.dtype), block_sum)
+    _check_stat(lse, "lse", block_sum.shape[:-1], _LSE_DTYPE, block_sum)
 
 
 @torch.library.register_fake("attnres::block_read_merge_fwd")
@@ -523,7 +529,7 @@ def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_wei
     rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
     return (
         rows() if output_mask[0] else None,
-        block_sum.new_empty(lead, dtype=acc) if output_mask[1] else None,
+        block_sum.new_empty(lead, dtype=_LSE_DTYPE) if output_mask[1] else None,
         rows() if output_mask[2] else None,
         torch.empty_like(query) if output_mask[3] else None,
         query.new_empty(query.shape, dtype=gain_dtype) if output_mask[4] else None,
@@ -612,8 +618,8 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     ``norm_weights`` [S, D] or None). Returns ``(partial_outs, lse)``: S
     tensors [..., D] (each reader's softmax-weighted average over the
     sources, its h when the block has no partial sum yet) and the
-    log-sum-exp of each reader's scores [S, ...] (float32; float64 for
-    float64 sources). With ``out_weight`` (reader 0's output norm, §11)
+    log-sum-exp of each reader's scores [S, ...] (float64 for every source
+    dtype: its gradient can exceed float32's range, docs/design.md §10). With ``out_weight`` (reader 0's output norm, §11)
     ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
     reader 0's read, which has no partial sum to merge. Differentiable on
     CPU and CUDA."""

@@ -185,7 +185,8 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
   std::vector<std::vector<scalar_t>> outs(S, std::vector<scalar_t>(T * D, nan));
   std::vector<scalar_t*> out_ptrs(S);
   for (int s = 0; s < S; ++s) out_ptrs[s] = outs[s].data();
-  std::vector<acc_t> lse(S * T), rstd(N * T), weights(static_cast<size_t>(S) * N * T);
+  std::vector<double> lse(S * T);  // float64 for every dtype (docs/design.md §10)
+  std::vector<acc_t> rstd(N * T), weights(static_cast<size_t>(S) * N * T);
   std::vector<acc_t> norm_rstd(T, static_cast<acc_t>(NAN));
   std::vector<scalar_t> h_keep(c.norm && c.keep_h ? T * D : 0, static_cast<scalar_t>(NAN));
   scalar_t* h_keep_p = h_keep.empty() ? nullptr : h_keep.data();
@@ -350,7 +351,8 @@ void run_merge_at_max(Checker& chk) {
     y[k] = P[k] = static_cast<scalar_t>(k % 2 == 0 ? mx : -mx);
     want[k] = static_cast<double>(y[k]);
   }
-  std::vector<acc_t> lse(T, lse_at), u(D, acc_t(0)), r(T), take(T);
+  std::vector<double> lse(T, static_cast<double>(lse_at));
+  std::vector<acc_t> u(D, acc_t(0)), r(T), take(T);
   MergeParams<scalar_t> p = merge_params<scalar_t>(y.data(), D, P.data(), D, lse.data(), u.data(),
                                                    out.data(), r.data(), take.data(), T, D,
                                                    static_cast<acc_t>(1e-6));
@@ -477,7 +479,8 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
   const acc_t nan = static_cast<acc_t>(NAN);
   std::vector<scalar_t> dy(c.want_all ? T * D : 0, static_cast<scalar_t>(NAN)),
       dP(c.want_dp_dlse ? T * D : 0, static_cast<scalar_t>(NAN));
-  std::vector<acc_t> dlse(c.want_dp_dlse ? T : 0, nan), z_rows(c.want_all ? rows * D : 0, nan), dw_rows(c.norm ? rows * D : 0, nan);
+  std::vector<double> dlse(c.want_dp_dlse ? T : 0, NAN);
+  std::vector<acc_t> z_rows(c.want_all ? rows * D : 0, nan), dw_rows(c.norm ? rows * D : 0, nan);
   MergeBackwardParams<scalar_t> p{};
   p.grad_out = g.data() + offset;
   p.partial = y.data() + offset;
@@ -547,6 +550,10 @@ struct ReadsBackwardCase {
   // = K / (2 c) = 3.3e38) is ~-1.65e38, in float32, and their sum is not
   // (the rare check on the summed betas; possible only when S > D).
   bool summed_betas = false;
+  // dlse times this (float64, as the op takes it): 1e40 on rows of 1e36 is
+  // beyond float32 while the source gradients are not (the token's sum over
+  // the weights overflows: the wide path, reading the float64 dlse).
+  double dlse_scale = 1;
 };
 
 // The forward's statistics are computed in long double and rounded as
@@ -568,7 +575,8 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
   std::vector<std::vector<scalar_t>> src(N), dy(c.has_dy ? S : 0);
   for (int i = 0; i < N; ++i) src[i] = rows_of(1.0 + i % 3, c.magnitude > 0);
   for (auto& g : dy) g = rows_of(1.0, false);
-  std::vector<acc_t> u(static_cast<size_t>(S) * D), w(D), dlse(c.with_dlse ? S * T : 0);
+  std::vector<acc_t> u(static_cast<size_t>(S) * D), w(D);
+  std::vector<double> dlse(c.with_dlse ? S * T : 0);
   for (auto& x : u) x = static_cast<acc_t>(0.8 * normal(rng) / std::sqrt(double(D)));
   if (c.summed_betas) {
     if (N != 2 || S != 3 || D != 2 || !c.has_dy) {
@@ -588,7 +596,7 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
     for (int s = 0; s < 3; ++s) std::copy(q[s], q[s] + 2, u.begin() + 2 * s);
   }
   for (auto& x : w) x = static_cast<acc_t>(1 + 0.3 * normal(rng));
-  for (auto& x : dlse) x = static_cast<acc_t>(normal(rng));
+  for (auto& x : dlse) x = normal(rng) * c.dlse_scale;
   auto at = [&](const std::vector<scalar_t>& v, int64_t t, int j) { return rows_of.at(v, t, j); };
   // The forward's statistics, rounded as stored.
   std::vector<acc_t> rstd(N * T), weights(static_cast<size_t>(S) * N * T), out_rstd(T);
@@ -731,6 +739,7 @@ void run_reads_backward(const ReadsBackwardCase& c, std::mt19937_64& rng, Checke
                 c.all_wanted ? "" : " (some dv, no z)", c.magnitude > 0 ? " range" : "",
                 layout.overflow.empty() ? "" : " overflow");
   if (c.summed_betas) std::strncat(what, " summed betas", sizeof what - std::strlen(what) - 1);
+  if (c.dlse_scale != 1) std::strncat(what, " dlse 1e40", sizeof what - std::strlen(what) - 1);
   std::vector<double> got_dv, want_dv;
   for (int i = 0; i < N; ++i) {
     if (!wanted(i)) continue;
@@ -794,6 +803,9 @@ int run_dtype(std::mt19937_64& rng) {
       backward_cases.push_back({64, 4, 0, false, 0, norm, true, 1e36});
       backward_cases.push_back({64, 9, 0, false, 1, norm, true, 1e36});
     }
+    // Rows near float32's maximum: <dh, P - y> and the lse gradient (~1e40,
+    // float64) beyond float32 (z, beyond it too, not wanted).
+    backward_cases.push_back({64, 4, 0, false, 0, false, false, 3e38});
   }
   for (const BackwardCase& c : backward_cases) run_merge_backward<scalar_t>(c, rng, chk);
   std::vector<ReadsBackwardCase> reads_cases = {
@@ -824,6 +836,9 @@ int run_dtype(std::mt19937_64& rng) {
     // Betas that overflow only when the readers' are summed; also one CTA.
     reads_cases.push_back({2, 3, 2, 5, 0, false, 0, false, true, true, true, 0, true});
     reads_cases.push_back({2, 3, 2, 9, 0, false, 1, false, true, true, true, 0, true});
+    // An lse gradient beyond float32 (z, ~1e40, not wanted); also one CTA.
+    reads_cases.push_back({3, 3, 64, 4, 0, false, 0, false, true, true, false, 1e36, false, 1e40});
+    reads_cases.push_back({3, 3, 64, 9, 0, false, 1, false, true, true, false, 1e36, false, 1e40});
   }
   for (const ReadsBackwardCase& c : reads_cases) run_reads_backward<scalar_t>(c, rng, chk);
   if constexpr (!std::is_same_v<scalar_t, c10::Half>) run_merge_at_max<scalar_t>(chk);

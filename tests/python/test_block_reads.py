@@ -220,8 +220,9 @@ def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="norm_weights must have the queries' shape"):
         attnres.block_reads(sources, queries, gains[:2])
     partial_outs, lse = attnres.block_reads(sources, queries, gains)
-    with pytest.raises(TypeError, match="lse must have dtype torch.float32"):
-        attnres.block_read_merge(partial_outs[0], lse[0].double(), block_sum, queries[0])
+    assert lse.dtype == torch.float64  # for every source dtype (design §10, "Range")
+    with pytest.raises(TypeError, match="lse must have dtype torch.float64"):
+        attnres.block_read_merge(partial_outs[0], lse[0].float(), block_sum, queries[0])
     with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
         attnres.block_read_merge(partial_outs[0][:2], lse[0], block_sum, queries[0])
 
@@ -233,14 +234,15 @@ def test_fake_kernels_raise_the_same_words():
         torch.ops.attnres.block_reads_fwd(meta, queries[:, :5].to("meta"), None, 1e-6, 1.0)
     parts, lse, rstd, w = torch.ops.attnres.block_reads_fwd(meta, queries.to("meta"), None, 1e-6, 1.0)
     assert [tuple(p.shape) for p in parts] == [(4, 8)] * 3 and lse.shape == (3, 4)
+    assert lse.dtype == torch.float64
     assert rstd.shape == (2, 4) and w.shape == (3, 2, 4) and w.dtype == torch.float32
     for device in ("cpu", "meta"):  # the C++ checks and the fake kernel: the same words
         y, p, q = torch.zeros(4, 8, device=device), block_sum.to(device), queries[0].to(device)
-        lse0 = torch.zeros(4, device=device)
+        lse0 = torch.zeros(4, device=device, dtype=torch.float64)
         with pytest.raises(ValueError, match="partial_out must have block_sum's shape"):
             torch.ops.attnres.block_read_merge_fwd(y[:2], lse0, p, q, None, 1e-6, 1.0)
-        with pytest.raises(TypeError, match="lse must have dtype torch.float32, got torch.float64"):
-            torch.ops.attnres.block_read_merge_fwd(y, lse0.double(), p, q, None, 1e-6, 1.0)
+        with pytest.raises(TypeError, match="lse must have dtype torch.float64, got torch.float32"):
+            torch.ops.attnres.block_read_merge_fwd(y, lse0.float(), p, q, None, 1e-6, 1.0)
 
 
 def test_torch_compile_fullgraph_of_the_ops():
@@ -554,14 +556,15 @@ def leaves_of(*tensors):
 
 
 def check_phase_one_near_the_limits(sources, queries, gains, dtype, *, eps, scale, gen, what,
-                                    dy=None):
+                                    dy=None, dlse_scale=1.0):
     """block_reads alone: partial_outs, lse and the gradients of the
-    sources, queries and gains for random dy (unless given) and dlse."""
+    sources, queries and gains for random dy (unless given) and dlse
+    (times dlse_scale)."""
     S, n = queries.shape[0], len(sources)
     if dy is None:
         dy = [torch.randn(sources[0].shape, generator=gen, dtype=torch.float64).to(dtype)
               for _ in range(S)]
-    dlse = torch.randn(S, *sources[0].shape[:-1], generator=gen, dtype=torch.float64)
+    dlse = torch.randn(S, *sources[0].shape[:-1], generator=gen, dtype=torch.float64) * dlse_scale
     *srcs, q, g = leaves_of(*sources, queries, gains)
     wrt = [*srcs, q] + ([] if g is None else [g])
     partial_outs, lse = attnres.block_reads(srcs, q, g, eps=eps, scale=scale)
@@ -638,10 +641,12 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
     the sources, block_sum, queries and gains for random dh of every reader,
     against one float64 read per reader. Each read's own gradient term must
     be representable (autograd sums them in the dtype, as for one-call
-    reads). The limit of the chain (docs/design.md §10): the gradient the
-    merge sends to lse, -a_P (1 - a_P) <dh, P - y>, is a tensor of the
-    accumulation dtype; where its true value is beyond that dtype's maximum,
-    the phase-1 gradients of that token and reader are not finite (checked),
+    reads). The gradient the merge sends to lse, -a_P (1 - a_P) <dh, P - y>,
+    is a float64 tensor for every dtype (docs/design.md §10, "Range"): where
+    its true value is beyond float32's maximum (fp32/bf16 rows near that
+    maximum, D >= 33) the phase-1 gradients must still be finite and right
+    (before lse was float64 they were not finite); where it is beyond
+    float64's (fp64 rows near that maximum) they are not finite (checked),
     never finite and wrong."""
     S, n = queries.shape[0], len(sources)
     gen = torch.Generator().manual_seed(seed)
@@ -659,7 +664,7 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
     ref = [x.detach().double().requires_grad_(True) for x in wrt]
     ref_g = ref[n + 2] if g is not None else None
     ref_hs, terms = [], []
-    acc_max = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    lse_max = torch.finfo(torch.float64).max  # the lse gradient's dtype
     beyond = torch.zeros(S, *block_sum.shape[:-1], dtype=torch.bool)
     for r in range(S):
         gain_r = None if ref_g is None else ref_g[r]
@@ -672,7 +677,7 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
             with torch.no_grad():
                 y_ref, _ = depth_attention_ref(ref[:n], ref[n + 1][r], gain_r, eps=eps, scale=scale)
                 dlse = lse_gradient(h, y_ref, w[-1], block_sum, dh[r])
-            beyond[r] = ~(dlse.abs() <= acc_max)
+            beyond[r] = ~(dlse.abs() <= lse_max)
     ref_grads = [sum(t[k] for t in terms) for k in range(len(ref))]
     for r in range(S):
         assert torch.isfinite(hs[r]).all(), f"{what} h[{r}] not finite"
@@ -812,6 +817,24 @@ def test_readers_betas_that_overflow_only_when_summed(dtype):
                                     what="summed betas", dy=dy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_phase_one_takes_an_lse_gradient_beyond_float32(dtype):
+    """lse is float64 for every dtype, so its gradient can exceed float32's
+    range (in a chain of reads the merge sends -a_P (1 - a_P) <dh, P - y>,
+    which does near float32's maximum: test_chained_reads_near_the_dtype_
+    limits_match_float64). Phase 1 alone with dlse ~1e40 on rows of ~1e36:
+    the token's sum over the weights overflows float32 and it must take the
+    wide path, where alpha = ds r ~ 1e4 and every source gradient is finite
+    and right (the queries' gradient, ~1e40, is not representable and not
+    checked)."""
+    gen = torch.Generator().manual_seed(17)
+    sources = [((torch.rand(5, 64, generator=gen, dtype=torch.float64) * 2 - 1) * 1e36).to(dtype)
+               for _ in range(3)]
+    queries = torch.randn(3, 64, generator=gen) / 8
+    check_phase_one_near_the_limits(sources, queries, None, dtype, eps=1e-6, scale=1.0, gen=gen,
+                                    what="dlse 1e40", dlse_scale=1e40)
+
+
 def test_inplace_merge_equals_the_merge_and_refuses_gradients():
     sources, block_sum, queries, gains = problem(3, 2, (3, 5), 19, torch.float32, seed=11)
     partial_outs, lse = attnres.block_reads(sources, queries, gains)
@@ -866,7 +889,7 @@ def test_inplace_merge_refuses_a_block_sum_that_overlaps_the_partial_output(out_
     tensor, or a view sharing some of its memory, is refused."""
     D, T = 8, 4
     buf = torch.randn((T + 1) * D)
-    partial, lse = buf[:T * D].view(T, D), torch.zeros(T)
+    partial, lse = buf[:T * D].view(T, D), torch.zeros(T, dtype=torch.float64)
     query = torch.randn(D)
     w = torch.ones(D) if out_weight else None
     with torch.no_grad():

@@ -529,7 +529,7 @@ def test_merge_normed_h_is_the_plain_merge_and_inplace_equals_it(dtype):
         y0, lse, P, q, g, 1e-6, 1.0)
     assert torch.equal(h, h_plain) and torch.equal(rstd, rstd_plain)
     assert torch.equal(weight, weight_plain)
-    assert out_rstd.shape == (4, 3) and out_rstd.dtype == lse.dtype
+    assert out_rstd.shape == (4, 3) and out_rstd.dtype == rstd.dtype
     y_none, h_none, *_ = torch.ops.attnres.block_read_merge_normed_fwd(
         y0, lse, P, q, g, w, 1e-6, 1.0, 1e-5, False)
     assert h_none.numel() == 0 and torch.equal(y_none, y)

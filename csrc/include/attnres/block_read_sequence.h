@@ -28,7 +28,7 @@ struct BlockReadsForwardCall {
   const at::Tensor& u;     // [S, D] scale * query * gain, accumulation dtype, contiguous
   double eps;
   std::vector<at::Tensor>& partial_outs;  // S contiguous [..., D], sources' dtype
-  at::Tensor& lse;                        // [S, ...] accumulation dtype
+  at::Tensor& lse;                        // [S, ...] float64 (every dtype, §10)
   at::Tensor& rstd;                       // [N, ...]
   at::Tensor& weights;                    // [S, N, ...]
   // The fused output norm of reader 0 (docs/design.md §11): partial_outs[0]
@@ -41,7 +41,7 @@ struct BlockReadsForwardCall {
 struct MergeForwardCall {
   int64_t D, T;
   const at::Tensor& partial_out;  // [..., D] any strides
-  const at::Tensor& lse;          // [...] contiguous
+  const at::Tensor& lse;          // [...] contiguous, float64
   const at::Tensor& block_sum;    // [..., D] any strides
   const at::Tensor& u;            // [D]
   double eps;
@@ -58,7 +58,7 @@ struct BlockReadsBackwardCall {
   int64_t N, S, D, T;
   // S gradients of the partial outputs (any strides), or empty: none.
   at::TensorList grad_partial_outs;
-  const at::Tensor& grad_lse;  // [S, ...] contiguous, or undefined
+  const at::Tensor& grad_lse;  // [S, ...] contiguous float64, or undefined
   at::TensorList sources;
   const at::Tensor& u;        // [S, D]
   const at::Tensor& rstd;     // [N, ...] contiguous
@@ -82,7 +82,7 @@ struct MergeBackwardCall {
   const at::Tensor& rstd;    // contiguous
   const at::Tensor& weight;  // contiguous
   at::Tensor& grad_partial_out;  // contiguous, or undefined (not wanted)
-  at::Tensor& grad_lse;          // contiguous, or undefined
+  at::Tensor& grad_lse;          // contiguous float64, or undefined
   at::Tensor& grad_block_sum;    // contiguous, or undefined
   at::Tensor& z;                 // [D], or undefined: set to sum_t alpha_t P_t
   // With the fused output norm grad_out is dy (the gradient of y) and h
