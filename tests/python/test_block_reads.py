@@ -647,7 +647,8 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
     maximum, D >= 33) the phase-1 gradients must still be finite and right
     (before lse was float64 they were not finite); where it is beyond
     float64's (fp64 rows near that maximum) they are not finite (checked),
-    never finite and wrong."""
+    never finite and wrong. Returns how many (reader, token) pairs have an
+    lse gradient beyond float32's maximum."""
     S, n = queries.shape[0], len(sources)
     gen = torch.Generator().manual_seed(seed)
     dh = [torch.randn(block_sum.shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -666,6 +667,7 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
     ref_hs, terms = [], []
     lse_max = torch.finfo(torch.float64).max  # the lse gradient's dtype
     beyond = torch.zeros(S, *block_sum.shape[:-1], dtype=torch.bool)
+    beyond_float32 = 0
     for r in range(S):
         gain_r = None if ref_g is None else ref_g[r]
         h, w = depth_attention_ref(ref[:n] + ([ref[n]] if r > 0 else []), ref[n + 1][r], gain_r,
@@ -678,6 +680,7 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
                 y_ref, _ = depth_attention_ref(ref[:n], ref[n + 1][r], gain_r, eps=eps, scale=scale)
                 dlse = lse_gradient(h, y_ref, w[-1], block_sum, dh[r])
             beyond[r] = ~(dlse.abs() <= lse_max)
+            beyond_float32 += int((dlse.abs() > torch.finfo(torch.float32).max).sum())
     ref_grads = [sum(t[k] for t in terms) for k in range(len(ref))]
     for r in range(S):
         assert torch.isfinite(hs[r]).all(), f"{what} h[{r}] not finite"
@@ -699,6 +702,7 @@ def check_reads_near_the_limits(sources, block_sum, queries, gains, dtype, *, ep
                 continue
             assert_grad_close(grads[k][r], ref_grads[k][r], dtype, f"{what} grad {name}[{r}]",
                               [t[k][r] for t in terms])
+    return beyond_float32
 
 
 RANGE_SHAPES = ((2, 2, (3,), 4), (4, 3, (2, 3), 33), (3, 4, (4,), 256))  # N, S, lead, D
@@ -753,13 +757,18 @@ def test_block_read_merge_gradients_near_the_dtype_limits(dtype, with_gain):
 @pytest.mark.parametrize("with_gain", [True, False])
 def test_chained_reads_near_the_dtype_limits_match_float64(dtype, with_gain):
     """A block of reads, phase 1 then the merges, against one float64 read
-    per reader, rows anywhere in the dtype's range."""
+    per reader, rows anywhere in the dtype's range. For fp32/bf16 some
+    tokens' lse gradient must be beyond float32's maximum (the case float64
+    lse exists for; checked, so the test cannot lose it silently)."""
+    beyond_float32 = 0
     for mag, sources, block_sum, queries, gains in range_problems(dtype, with_gain, seed=12):
         for eps in (1e-6, 0.0):
-            check_reads_near_the_limits(
+            beyond_float32 += check_reads_near_the_limits(
                 sources, block_sum, queries, gains, dtype, eps=eps, scale=0.9, seed=13,
                 what=f"{dtype} mag={mag:g} N={len(sources)} S={len(queries)} "
                      f"D={queries.shape[1]} eps={eps}")
+    if dtype in (torch.float32, torch.bfloat16):
+        assert beyond_float32 > 0, "no lse gradient beyond float32: the case is not covered"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

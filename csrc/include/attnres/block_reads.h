@@ -23,7 +23,8 @@ namespace attnres {
 // Phase 1, differentiable: for each of the S readers (queries [S, D],
 // norm_weights [S, D] or nullopt) its softmax-weighted average over the N
 // completed sources (S tensors [..., D], the sources' dtype) and the
-// log-sum-exp of its scores ([S, ...], accumulation dtype).
+// log-sum-exp of its scores ([S, ...], float64 for every dtype: its gradient
+// can exceed float32's range, docs/design.md §10).
 std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads(
     at::TensorList sources, const at::Tensor& queries,
     const std::optional<at::Tensor>& norm_weights = std::nullopt, double eps = 1e-6,
