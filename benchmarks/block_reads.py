@@ -75,6 +75,24 @@ def cpu_name() -> str:
     return f"{model.strip()} ({torch.get_num_threads()} threads)"
 
 
+def load_footer(before, after, busy: str) -> str:
+    """The load averages at a run's start and end; `busy`: what the script
+    itself keeps busy (more load than that means other jobs ran)."""
+    def fmt(load):
+        return ", ".join(f"{x:.1f}" for x in load)
+    return (f"\nLoad average (1, 5, 15 min) at the start: {fmt(before)}; at the end: "
+            f"{fmt(after)} ({busy}; more means other jobs shared the machine).")
+
+
+def write_results(lines, out_dir, name: str, machine: str, suffix: str = "") -> None:
+    """benchmarks/results-style file <name>_<machine>[suffix].md in out_dir."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
+    path = Path(out_dir) / f"{name}_{stem}{suffix}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
 # ---- part 1: the reads of a Block model ------------------------------------------
 
 
@@ -411,19 +429,11 @@ def main():
         part_train_reads(T, 1024, repeats, [(12, 2), (12, 4), (32, 2), (32, 4), (32, 8), (64, 2),
                                              (64, 4)], out)
         part_gpt_train(16, 512, 4, 256, 4, 2 * repeats + 1, out)
-    load_after = os.getloadavg()
-    out.append(f"\nLoad average (1, 5, 15 min) at the start: "
-               f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "
-               f"{', '.join(f'{x:.1f}' for x in load_after)} (this script keeps ~2 threads busy; "
-               f"more means other jobs shared the machine).")
+    out.append(load_footer(load_before, os.getloadavg(), "this script keeps ~2 threads busy"))
     if not args.quick:
-        stem = re.sub(r"[^A-Za-z0-9]+", "_", machine.replace("(R)", "")).strip("_")
         suffix = (f"_reads_T{T}" if args.reads_only else
                   "" if T == 2048 else f"_T{T}")
-        path = Path(args.out_dir) / f"block_reads_{stem}{suffix}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(out) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        write_results(out, args.out_dir, "block_reads", machine, suffix)
 
 
 if __name__ == "__main__":

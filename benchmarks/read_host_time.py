@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -65,7 +63,6 @@ def main() -> None:
         for fn in fns.values():  # the readers learn their order; first touches
             fn(), fn()
         med = block_reads.interleaved(fns, args.repeats)
-    load_after = os.getloadavg()
     machine = block_reads.machine_name()
     out = [
         "# Host time of a DepthStream read",
@@ -81,17 +78,10 @@ def main() -> None:
     ]
     for name, t in med.items():
         out.append(f"| {name} | {1e6 * t / L:.1f} | {t / med['plain residual add']:.1f} |")
-    out.append(f"\nLoad average (1, 5, 15 min) at the start: "
-               f"{', '.join(f'{x:.1f}' for x in load_before)}; at the end: "
-               f"{', '.join(f'{x:.1f}' for x in load_after)} (this script keeps one thread busy).")
+    out.append(block_reads.load_footer(load_before, os.getloadavg(),
+                                       "this script keeps one thread busy"))
     print("\n".join(out))
-    stem = "".join(c if c.isalnum() else "_" for c in machine.replace("(R)", "")).strip("_")
-    while "__" in stem:
-        stem = stem.replace("__", "_")
-    path = Path(args.out_dir) / f"read_host_time_{stem}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    block_reads.write_results(out, args.out_dir, "read_host_time", machine)
 
 
 if __name__ == "__main__":
