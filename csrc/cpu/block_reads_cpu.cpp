@@ -36,25 +36,18 @@ using at::vec::Vectorized;
 // Readers whose dot products one sweep forms (registers: 2 chains each).
 constexpr int kGroup = 4;
 
-// Independent FMA chains of each reduction in the block-read sweeps, and
-// the row steps a round covers: two chains, so one round is two vectors of
-// the accumulation type (one step of bf16/fp16, two of float/double). The
-// chain of a vector is a constant after unrolling, never computed from j:
-// an index computed at run time kept the accumulators in memory (a store
-// and a reload per FMA; phase 1's sweeps ran at about half speed,
-// docs/design.md §10).
+// Independent FMA chains of each reduction in the block-read sweeps: the
+// vectors of a Round (vec_rows.h).
 constexpr int kDotChains = 2;
-static_assert(kDotChains == 2, "the sweeps below add and initialize exactly two chains");
-template <typename scalar_t>
-constexpr int kStepsPerRound = kDotChains / Lanes<scalar_t>::kParts;
+static_assert(kDotChains == Round<float>::kVecs && kDotChains == Round<c10::BFloat16>::kVecs,
+              "the sweeps below add and initialize exactly two chains");
 
 // G dot products <y_g, v> (and, with kSquares, <v, v>) of one row in one
 // sweep; kDotChains FMA chains per reduction.
 template <int G, bool kSquares, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_dots(const scalar_t* v, const acc_t* const* y, int64_t D, acc_t& sumsq, acc_t* dots) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  constexpr int kRound = kStepsPerRound<scalar_t>;
+  using R = Round<scalar_t>;
+  using AVec = typename R::AVec;
   AVec sq[kDotChains], d[G][kDotChains];
 #pragma GCC unroll 2
   for (int c = 0; c < kDotChains; ++c) {
@@ -63,22 +56,18 @@ void row_dots(const scalar_t* v, const acc_t* const* y, int64_t D, acc_t& sumsq,
     for (int g = 0; g < G; ++g) d[g][c] = AVec(acc_t(0));
   }
   int64_t j = 0;
-  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
-    for (int b = 0; b < int(kRound * L::kStep * sizeof(scalar_t)); b += 64) {  // a line each
+  for (; j + R::kSize <= D; j += R::kSize) {
+    for (int b = 0; b < int(R::kSize * sizeof(scalar_t)); b += 64) {  // a line each
       __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes + b, 0, 3);
     }
+    AVec vv[kDotChains];
+    R::load(v + j, vv);
 #pragma GCC unroll 2
-    for (int r = 0; r < kRound; ++r) {
-      AVec vv[L::kParts];
-      L::load(v + j + r * L::kStep, vv);
-#pragma GCC unroll 2
-      for (int k = 0; k < L::kParts; ++k) {
-        const int c = r * L::kParts + k;
-        const int64_t o = j + r * L::kStep + k * AVec::size();
-        if constexpr (kSquares) sq[c] = at::vec::fmadd(vv[k], vv[k], sq[c]);
+    for (int c = 0; c < kDotChains; ++c) {
+      const int64_t o = j + c * AVec::size();
+      if constexpr (kSquares) sq[c] = at::vec::fmadd(vv[c], vv[c], sq[c]);
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) d[g][c] = at::vec::fmadd(AVec::loadu(y[g] + o), vv[k], d[g][c]);
-      }
+      for (int g = 0; g < G; ++g) d[g][c] = at::vec::fmadd(AVec::loadu(y[g] + o), vv[c], d[g][c]);
     }
   }
   acc_t s2 = hsum(sq[0] + sq[1]);
@@ -128,13 +117,11 @@ void row_many_dots(const scalar_t* v, const acc_t* const* y, int64_t count, int6
 template <int G, typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const acc_t* w,
                        int64_t N, int64_t D) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  // A round of kDotChains vectors a reader: G x kDotChains independent
-  // chains, N FMAs long.
-  constexpr int kRound = kStepsPerRound<scalar_t>;
+  using R = Round<scalar_t>;
+  using AVec = typename R::AVec;
+  // A round a reader: G x kDotChains independent chains, N FMAs long.
   int64_t j = 0;
-  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+  for (; j + R::kSize <= D; j += R::kSize) {
     AVec acc[G][kDotChains];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
@@ -143,13 +130,7 @@ void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const 
     }
     for (int64_t i = 0; i < N; ++i) {
       AVec vv[kDotChains];
-#pragma GCC unroll 2
-      for (int r = 0; r < kRound; ++r) {
-        AVec part[L::kParts];
-        L::load(rows[i] + j + r * L::kStep, part);
-#pragma GCC unroll 2
-        for (int k = 0; k < L::kParts; ++k) vv[r * L::kParts + k] = part[k];
-      }
+      R::load(rows[i] + j, vv);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const AVec wv(w[g * N + i]);
@@ -158,15 +139,7 @@ void rows_weighted_sum(scalar_t* const* out, const scalar_t* const* rows, const 
       }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-#pragma GCC unroll 2
-      for (int r = 0; r < kRound; ++r) {
-        AVec part[L::kParts];
-#pragma GCC unroll 2
-        for (int k = 0; k < L::kParts; ++k) part[k] = acc[g][r * L::kParts + k];
-        L::store(out[g] + j + r * L::kStep, part);
-      }
-    }
+    for (int g = 0; g < G; ++g) R::store(out[g] + j, acc[g]);
   }
   for (; j < D; ++j) {
     for (int g = 0; g < G; ++g) {
@@ -369,22 +342,15 @@ template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 void row_block_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* const* dy,
                            const acc_t* const* u, const acc_t* a, const acc_t* alpha, acc_t B,
                            int64_t S, acc_t* z, int64_t D) {
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  // A round of kDotChains vectors, each with two chains (the dy terms and
-  // the u terms): 2 S FMAs in one chain made the sweep latency-bound.
-  constexpr int kRound = kStepsPerRound<scalar_t>;
+  using R = Round<scalar_t>;
+  using AVec = typename R::AVec;
+  // A round at a time, each vector with two chains (the dy terms and the u
+  // terms): 2 S FMAs in one chain made the sweep latency-bound.
   constexpr int64_t kW = AVec::size();
   int64_t j = 0;
-  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
+  for (; j + R::kSize <= D; j += R::kSize) {
     AVec vv[kDotChains], gd[kDotChains], gu[kDotChains];
-#pragma GCC unroll 2
-    for (int r = 0; r < kRound; ++r) {
-      AVec part[L::kParts];
-      L::load(v + j + r * L::kStep, part);
-#pragma GCC unroll 2
-      for (int k = 0; k < L::kParts; ++k) vv[r * L::kParts + k] = part[k];
-    }
+    R::load(v + j, vv);
 #pragma GCC unroll 2
     for (int c = 0; c < kDotChains; ++c) {
       gd[c] = AVec(B) * vv[c];
@@ -409,15 +375,10 @@ void row_block_source_grad(scalar_t* dv, const scalar_t* v, const acc_t* const* 
       }
     }
     if (dv) {
+      AVec sum[kDotChains];
 #pragma GCC unroll 2
-      for (int r = 0; r < kRound; ++r) {
-        AVec part[L::kParts];
-#pragma GCC unroll 2
-        for (int k = 0; k < L::kParts; ++k) {
-          part[k] = gd[r * L::kParts + k] + gu[r * L::kParts + k];
-        }
-        L::store(dv + j + r * L::kStep, part);
-      }
+      for (int c = 0; c < kDotChains; ++c) sum[c] = gd[c] + gu[c];
+      R::store(dv + j, sum);
     }
   }
   for (; j < D; ++j) {
@@ -757,7 +718,7 @@ void merge_token_grad(const dh_t* dh, const scalar_t* y, const scalar_t* P, cons
   using AVec = typename L::AVec;
   // Sweep 1: c = <dh, P - y> (elementwise difference: nothing cancels
   // beyond it) and <u, P>.
-  constexpr int kRound = kStepsPerRound<scalar_t>;
+  constexpr int kRound = Round<scalar_t>::kSteps;  // dh may be acc_t: loaded a step at a time
   AVec cd[kDotChains] = {AVec(acc_t(0)), AVec(acc_t(0))};
   AVec ud[kDotChains] = {AVec(acc_t(0)), AVec(acc_t(0))};
   int64_t j = 0;

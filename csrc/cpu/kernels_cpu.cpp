@@ -370,33 +370,26 @@ void pivot_row_dots(const scalar_t* v, const scalar_t* h, const acc_t* dh,
                     acc_t& dot_dh_rest) {
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
-  // Two vectors a round (one step of bf16/fp16, two of float/double), each
-  // in a chain fixed after unrolling (row_two_dots: a chain index computed
-  // from j keeps the chains in memory).
-  constexpr int kRound = 2 / L::kParts;
+  // A Round (vec_rows.h) at a time: two chains, each fixed after unrolling.
+  using R = Round<scalar_t>;
   AVec a[2], b[2], c[2];
   for (int k = 0; k < 2; ++k) a[k] = b[k] = c[k] = AVec(acc_t(0));
   int64_t j = 0;
-  for (; j + kRound * L::kStep <= D; j += kRound * L::kStep) {
-    for (int o = 0; o < int(kRound * L::kStep * sizeof(scalar_t)); o += 64) {  // a line each
+  for (; j + R::kSize <= D; j += R::kSize) {
+    for (int o = 0; o < int(R::kSize * sizeof(scalar_t)); o += 64) {  // a line each
       __builtin_prefetch(reinterpret_cast<const char*>(v + j) + kPrefetchBytes + o, 0, 3);
       __builtin_prefetch(reinterpret_cast<const char*>(h + j) + kPrefetchBytes + o, 0, 3);
     }
+    AVec vv[R::kVecs], hv[R::kVecs];
+    R::load(v + j, vv);
+    R::load(h + j, hv);
 #pragma GCC unroll 2
-    for (int r = 0; r < kRound; ++r) {
-      const int64_t jr = j + r * L::kStep;
-      AVec vv[L::kParts], hv[L::kParts];
-      L::load(v + jr, vv);
-      L::load(h + jr, hv);
-#pragma GCC unroll 2
-      for (int k = 0; k < L::kParts; ++k) {
-        const int ch = r * L::kParts + k;
-        const int64_t o = jr + k * AVec::size();
-        const AVec d = AVec::loadu(dh + o);
-        a[ch] = at::vec::fmadd(d, vv[k], a[ch]);
-        b[ch] = at::vec::fmadd(AVec::loadu(u + o), vv[k], b[ch]);
-        c[ch] = at::vec::fmadd(d, hv[k] - vv[k], c[ch]);
-      }
+    for (int ch = 0; ch < R::kVecs; ++ch) {
+      const int64_t o = j + ch * AVec::size();
+      const AVec d = AVec::loadu(dh + o);
+      a[ch] = at::vec::fmadd(d, vv[ch], a[ch]);
+      b[ch] = at::vec::fmadd(AVec::loadu(u + o), vv[ch], b[ch]);
+      c[ch] = at::vec::fmadd(d, hv[ch] - vv[ch], c[ch]);
     }
   }
   acc_t sa = hsum(a[0] + a[1]), sb = hsum(b[0] + b[1]), sc = hsum(c[0] + c[1]);

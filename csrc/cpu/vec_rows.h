@@ -75,6 +75,38 @@ struct Lanes {
   }
 };
 
+// Two accumulation vectors of a row: one step of bf16/fp16 (its two float
+// halves), two steps of float/double. A sweep that reduces a round at a time
+// keeps two FMA chains whose index is a constant after unrolling; a chain
+// index computed from j at run time kept the chains in memory (a store and a
+// reload per FMA: phase 1's sweeps ran at about half speed, design §10).
+template <typename scalar_t>
+struct Round {
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  static constexpr int kVecs = 2;
+  static constexpr int kSteps = kVecs / L::kParts;
+  static constexpr int64_t kSize = kSteps * L::kStep;  // elements a round
+  static void load(const scalar_t* p, AVec (&v)[kVecs]) {
+#pragma GCC unroll 2
+    for (int r = 0; r < kSteps; ++r) {
+      AVec part[L::kParts];
+      L::load(p + r * L::kStep, part);
+#pragma GCC unroll 2
+      for (int k = 0; k < L::kParts; ++k) v[r * L::kParts + k] = part[k];
+    }
+  }
+  static void store(scalar_t* p, const AVec (&v)[kVecs]) {
+#pragma GCC unroll 2
+    for (int r = 0; r < kSteps; ++r) {
+      AVec part[L::kParts];
+#pragma GCC unroll 2
+      for (int k = 0; k < L::kParts; ++k) part[k] = v[r * L::kParts + k];
+      L::store(p + r * L::kStep, part);
+    }
+  }
+};
+
 template <typename acc_t>
 acc_t hsum(const Vectorized<acc_t>& v) {
   return at::vec::vec_reduce_all<acc_t>(

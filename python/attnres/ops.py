@@ -619,8 +619,8 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     tensors [..., D] (each reader's softmax-weighted average over the
     sources, its h when the block has no partial sum yet) and the
     log-sum-exp of each reader's scores [S, ...] (float64 for every source
-    dtype: its gradient can exceed float32's range, docs/design.md §10). With ``out_weight`` (reader 0's output norm, §11)
-    ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
+    dtype: its gradient can exceed float32's range, docs/design.md §10).
+    With ``out_weight`` (reader 0's output norm, §11) ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
     reader 0's read, which has no partial sum to merge. Differentiable on
     CPU and CUDA."""
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
