@@ -41,8 +41,11 @@ useful, are not comparable across runs). No timing is a pass/fail criterion.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import platform
 import re
+import resource
 import statistics
 import sys
 import time
@@ -211,21 +214,51 @@ class BlockReads:
         return hs
 
 
-def interleaved(fns, repeats):
+def minor_faults() -> int:
+    """Minor page faults of this process so far (memory the kernel maps in
+    on first touch: here, heap memory malloc had returned to the system)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def interleaved(fns, repeats, faults=None):
     """Median seconds of each function, run in turn `repeats` times (the
-    order rotated each round, so no variant always runs first)."""
+    order rotated each round, so no variant always runs first). `faults`: a
+    dict that gets each function's median minor page faults per call."""
     times = {name: [] for name in fns}
+    counts = {name: [] for name in fns}
     names = list(fns)
     sync = torch.cuda.synchronize if DEV.type == "cuda" else (lambda: None)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn = fns[name]
             sync()
+            f0 = minor_faults()
             t0 = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - t0)
+            counts[name].append(minor_faults() - f0)
+    if faults is not None:
+        faults.update({name: statistics.median(c) for name, c in counts.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep freed memory for reuse in this process (no
+    trimming of the heap, a fixed 32 MiB mmap threshold), as jemalloc and
+    tcmalloc do. By default glibc hands freed heap memory back to the system
+    and the next allocation page-faults it in again, so a whole-model timing
+    depends on where each model's allocations happen to fall (measured:
+    docs/design.md §10). Returns what was set, or None (not glibc)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    mallopt = ctypes.CDLL(None).mallopt
+    if mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
+        return None
+    return "mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)"
 
 
 def part_reads(T, D, repeats, out):
@@ -294,38 +327,56 @@ def part_phase1(T, D, repeats, out, n=9):
 # ---- part 2: the example GPT's inference forward ---------------------------------------
 
 
-def part_gpt(n_layers, D, B, T, S, repeats, out):
-    variants = {
-        "standard": dict(residual="standard"),
-        "full": dict(residual="full"),
-        "block one-call": dict(residual="block", block_reads="one_call"),
-        "block auto": dict(residual="block", block_reads="auto"),
-        "block two-phase": dict(residual="block", block_reads="two_phase"),
-    }
-    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
+GPT_VARIANTS = {  # name -> GPTConfig fields; "standard" is every table's baseline
+    "standard": dict(residual="standard"),
+    "full": dict(residual="full"),
+    "block one-call": dict(residual="block", block_reads="one_call"),
+    "block auto": dict(residual="block", block_reads="auto"),
+    "block two-phase": dict(residual="block", block_reads="two_phase"),
+    "standard, RMSNorm": dict(residual="standard", norm="rmsnorm"),
+    "block auto, fused RMSNorm": dict(residual="block", block_reads="auto", norm="rmsnorm"),
+}
+
+
+def gpt_models(names, n_layers, D, T, S, train):
     models = {}
-    for name, kw in variants.items():
+    for name in names:
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
-                        n_heads=max(1, D // 64), block_size=S, **kw)
-        models[name] = GPT(cfg).to(DEV).eval()
+                        n_heads=max(1, D // 64), block_size=S, **GPT_VARIANTS[name])
+        models[name] = GPT(cfg).to(DEV).train(train)
+    return models
+
+
+def gpt_table(out, med, faults):
+    """Rows of time / standard, time / the standard residual with the same
+    norm, and page faults per call."""
+    out.append("| variant | time / standard | time / standard with the same norm | "
+               "time / Block one-call | minor page faults per call |")
+    out.append("|---|---:|---:|---:|---:|")
+    for name in med:
+        same = "standard, RMSNorm" if "RMSNorm" in name else "standard"
+        out.append(f"| {name} | {med[name] / med['standard']:.3f} | {med[name] / med[same]:.3f} | "
+                   f"{med[name] / med['block one-call']:.3f} | {faults[name]:.0f} |")
+
+
+def part_gpt(n_layers, D, B, T, S, repeats, out, malloc):
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
+    models = gpt_models(GPT_VARIANTS, n_layers, D, T, S, train=False)
     logits = {}
     with torch.no_grad():
         for name, m in models.items():
             logits[name] = m(idx)[0]  # also: the Block readers learn their order
         fns = {name: (lambda m=m: m(idx)) for name, m in models.items()}
-        med = interleaved(fns, repeats)
+        faults = {}
+        med = interleaved(fns, repeats, faults)
     diff = (logits["block two-phase"] - logits["block one-call"]).abs().max().item()
-    out.append(f"\n## Example GPT inference forward (torch.no_grad): {n_layers} layers "
+    out.append(f"\n## Example GPT inference forward (torch.no_grad), {malloc}: {n_layers} layers "
                f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
-    out.append("| variant | time / standard | time / Block one-call |")
-    out.append("|---|---:|---:|")
-    for name in variants:
-        out.append(f"| {name} | {med[name] / med['standard']:.3f} | "
-                   f"{med[name] / med['block one-call']:.3f} |")
+    gpt_table(out, med, faults)
     out.append(f"\nmax |logits(two-phase) - logits(one-call)| = {diff:.1e}; {repeats} interleaved "
                "repeats, medians.")
-    print("\n".join(out[-len(variants) - 4:]), flush=True)
+    print("\n".join(out[-len(models) - 4:]), flush=True)
 
 
 # ---- part 3: training ----------------------------------------------------------------
@@ -357,20 +408,11 @@ def part_train_reads(T, D, repeats, configs, out):
         del model, inputs
 
 
-def part_gpt_train(n_layers, D, B, T, S, repeats, out):
-    variants = {
-        "standard": dict(residual="standard"),
-        "block one-call": dict(residual="block", block_reads="one_call"),
-        "block auto": dict(residual="block", block_reads="auto"),
-        "block two-phase": dict(residual="block", block_reads="two_phase"),
-    }
+def part_gpt_train(n_layers, D, B, T, S, repeats, out, malloc):
+    names = ["standard", "full", "block one-call", "block auto", "block two-phase",
+             "standard, RMSNorm", "block auto, fused RMSNorm"]
     idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
-    models = {}
-    for name, kw in variants.items():
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
-                        n_heads=max(1, D // 64), block_size=S, **kw)
-        models[name] = GPT(cfg).to(DEV).train()
+    models = gpt_models(names, n_layers, D, T, S, train=True)
 
     def step(m):
         m.zero_grad(set_to_none=True)
@@ -379,18 +421,15 @@ def part_gpt_train(n_layers, D, B, T, S, repeats, out):
         return loss.detach()
 
     losses = {name: step(m).item() for name, m in models.items()}  # Block: learns the order
-    med = interleaved({name: (lambda m=m: step(m)) for name, m in models.items()}, repeats)
-    out.append(f"\n## Example GPT training step (forward + backward): {n_layers} layers "
+    faults = {}
+    med = interleaved({name: (lambda m=m: step(m)) for name, m in models.items()}, repeats, faults)
+    out.append(f"\n## Example GPT training step (forward + backward), {malloc}: {n_layers} layers "
                f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
-    out.append("| variant | time / standard | time / Block one-call | ms |")
-    out.append("|---|---:|---:|---:|")
-    for name in variants:
-        out.append(f"| {name} | {med[name] / med['standard']:.3f} | "
-                   f"{med[name] / med['block one-call']:.3f} | {1e3 * med[name]:.0f} |")
+    gpt_table(out, med, faults)
     out.append(f"\nFirst-step loss: Block one-call {losses['block one-call']:.6f}, auto "
                f"{losses['block auto']:.6f}, two-phase {losses['block two-phase']:.6f}; "
                f"{repeats} interleaved repeats, medians.")
-    print("\n".join(out[-len(variants) - 4:]), flush=True)
+    print("\n".join(out[-len(models) - 4:]), flush=True)
 
 
 def main():
@@ -420,15 +459,22 @@ def main():
     part_reads(T, 1024, repeats, out)
     if args.reads_only:
         part_phase1(T, 1024, repeats, out)
-    if args.quick and not args.reads_only:
-        part_gpt(2, 64, 2, 32, 2, repeats, out)
-        part_train_reads(T, 1024, repeats, [(12, 4)], out)
-        part_gpt_train(2, 64, 2, 32, 2, repeats, out)
-    elif not args.reads_only:
-        part_gpt(16, 512, 4, 256, 4, 2 * repeats + 1, out)
-        part_train_reads(T, 1024, repeats, [(12, 2), (12, 4), (32, 2), (32, 4), (32, 8), (64, 2),
-                                             (64, 4)], out)
-        part_gpt_train(16, 512, 4, 256, 4, 2 * repeats + 1, out)
+    if not args.reads_only:
+        # (layers, D, B, T, S) of the example GPT; the reads' (L, S) of part 3
+        gpt = (2, 64, 2, 32, 2) if args.quick else (16, 512, 4, 256, 4)
+        gpt_repeats = repeats if args.quick else 2 * repeats + 1
+        train_configs = ([(12, 4)] if args.quick else
+                         [(12, 2), (12, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4)])
+        default = "glibc malloc as configured by default" if DEV.type == "cpu" else "CUDA"
+        part_gpt(*gpt, gpt_repeats, out, default)
+        part_train_reads(T, 1024, repeats, train_configs, out)
+        part_gpt_train(*gpt, gpt_repeats, out, default)
+        # The same models once the host's malloc keeps freed memory: no page
+        # faults, so the ratios show the work each residual adds.
+        kept = keep_freed_memory() if DEV.type == "cpu" else None
+        if kept:
+            part_gpt(*gpt, gpt_repeats, out, f"malloc keeping freed memory ({kept})")
+            part_gpt_train(*gpt, gpt_repeats, out, f"malloc keeping freed memory ({kept})")
     out.append(load_footer(load_before, os.getloadavg(), "this script keeps ~2 threads busy"))
     if not args.quick:
         suffix = (f"_reads_T{T}" if args.reads_only else

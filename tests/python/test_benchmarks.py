@@ -10,6 +10,7 @@ Each run goes into a temporary folder (never benchmarks/results).
 import csv
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -282,6 +283,12 @@ def test_block_reads_benchmark_quick():
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 10
     assert "block two-phase" in proc.stdout and "training step" in proc.stdout
     assert "Phase 1 alone" not in proc.stdout
+    # The example GPT's tables: the fused-norm Block model, page faults per
+    # call, and (glibc) the same tables again with malloc keeping freed memory.
+    assert "| block auto, fused RMSNorm |" in proc.stdout
+    assert "minor page faults per call" in proc.stdout
+    kept = proc.stdout.count("malloc keeping freed memory (mallopt(")
+    assert kept == (2 if platform.libc_ver()[0] == "glibc" else 0), proc.stdout[-3000:]
     # --reads-only --tokens: part 1 and phase 1 alone, at the given size.
     proc = subprocess.run([sys.executable, str(script), "--quick", "--reads-only", "--tokens", "96"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
