@@ -23,8 +23,14 @@ hardware counters: the accounting of docs/design.md §10.
 
 Part 2, the example GPT (python/attnres/models.py) inference forward under
 torch.no_grad: standard residual, Full, Block with one-call reads and Block
-with block_reads="auto" and "two_phase" (each Block model runs once before
-timing, so its readers have learned their order).
+with block_reads="auto" and "two_phase" (LayerNorm pre-norms), and the
+standard residual with RMSNorm against Block "auto" with the RMSNorm fused
+into its reads (norm="rmsnorm"). Each Block model runs once before timing,
+so its readers have learned their order. Every call's minor page faults
+are counted: glibc's malloc returns freed heap memory to the system by
+default and the next allocation faults it in again, so on CPU the GPT
+parts run twice, the second time after keep_freed_memory() (mallopt), and
+that second pair of tables has the ratios of the work alone.
 
 Part 3, training: the same reads with autograd (sources, queries and gains
 requiring grad; one forward and torch.autograd.grad of every read's output,
