@@ -271,24 +271,41 @@ def part_reads(T, D, repeats, out):
     out.append(f"## Reads of a Block model: fp32, D = {D}, T = {T} tokens, torch.no_grad\n")
     print(out[-1], flush=True)
     out.append("Bytes per token counted from the ops' inputs and outputs (docs/design.md §10); "
-               "time as the ratio of medians over interleaved runs.\n")
+               "time as the ratio of medians over interleaved runs. Copy: a tensor copy of "
+               "the completed sources (read and written: as far from the cores as the reads' "
+               "sources), interleaved with the reads; a variant's speed is its counted bytes "
+               "over its time. Least ratio at copy speed: two-phase's bytes moved at the "
+               "copy's speed, over the one-call time (what a two-phase kernel as fast as a "
+               "copy would reach).\n")
     out.append("| L | S | one-call KiB/token | two-phase KiB/token | bytes ratio | time ratio "
                "(two-phase / one-call) | time ratio, merge into a new tensor | "
-               "max abs diff of the last h |")
-    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+               "one-call speed / copy speed | two-phase speed / copy speed | "
+               "least ratio at copy speed | max abs diff of the last h |")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with torch.no_grad():
         for L in (12, 32, 64):
             for S in (2, 4, 8):
                 model = BlockReads(L, S, T, D)
                 diff = (model.one_call() - model.two_phase()).abs().max().item()
+                copies = [torch.empty_like(x) for x in model.completed]
+
+                def copy():
+                    for dst, src in zip(copies, model.completed):
+                        dst.copy_(src)
+
                 med = interleaved({"one": model.one_call, "two": model.two_phase,
-                                   "two_new": lambda: model.two_phase(in_place=False)}, repeats)
+                                   "two_new": lambda: model.two_phase(in_place=False),
+                                   "copy": copy}, repeats)
                 one_b, two_b = row_counts(L, S, D)
+                copy_speed = 2 * sum(x.numel() * x.element_size() for x in model.completed) / med["copy"]
+                one_speed, two_speed = one_b * T / med["one"], two_b * T / med["two"]
                 out.append(f"| {L} | {S} | {one_b / 1024:.1f} | {two_b / 1024:.1f} | "
                            f"{two_b / one_b:.3f} | {med['two'] / med['one']:.3f} | "
-                           f"{med['two_new'] / med['one']:.3f} | {diff:.1e} |")
+                           f"{med['two_new'] / med['one']:.3f} | {one_speed / copy_speed:.2f} | "
+                           f"{two_speed / copy_speed:.2f} | "
+                           f"{two_b * T / copy_speed / med['one']:.3f} | {diff:.1e} |")
                 print(out[-1], flush=True)
-                del model
+                del model, copies
 
 
 def part_phase1(T, D, repeats, out, n=9):

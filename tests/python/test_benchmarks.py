@@ -294,7 +294,12 @@ def test_block_reads_benchmark_quick():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert sum(1 for r in rows if r.split("|")[1].strip() in ("12", "32", "64")) == 9
+    part1 = [r for r in rows if r.split("|")[1].strip() in ("12", "32", "64")]
+    assert len(part1) == 9
+    # 11 columns, among them the speeds against a copy and the least ratio
+    # at copy speed: positive numbers.
+    assert all(len(r.split("|")) == 13 and all(float(c) > 0 for c in r.split("|")[8:11])
+               for r in part1), part1
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("1", "4", "8")) == 3  # phase 1 alone
     assert "training step" not in proc.stdout and "block two-phase" not in proc.stdout
     assert "T = 96 tokens" in proc.stdout and "Phase 1 alone" in proc.stdout
