@@ -133,6 +133,40 @@ void check_cpu_capability() {
 #endif
 }
 
+// What both phase-1 backwards check first (the incoming gradients and the
+// forward's statistics); the normed one checks its own arguments after.
+DepthProblem check_reads_bwd_args(at::TensorList grad_partial_outs,
+                                  const std::optional<at::Tensor>& grad_lse,
+                                  at::TensorList sources, const at::Tensor& queries,
+                                  const std::optional<at::Tensor>& norm_weights,
+                                  const at::Tensor& rstd, const at::Tensor& weights, double scale) {
+  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, 0.0, scale);
+  const int64_t S = queries.size(0);
+  const at::Tensor& src0 = sources[0];
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  TORCH_CHECK_VALUE(grad_partial_outs.empty() || static_cast<int64_t>(grad_partial_outs.size()) == S,
+                    "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
+                    grad_partial_outs.size());
+  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
+  if (is_defined(grad_lse)) {
+    check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), kLseDtype, src0);
+  }
+  check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
+  check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
+  return p;
+}
+
+// The source gradients output_mask asks for (its first N entries), from the
+// CPU gradient cache where it applies.
+std::vector<at::Tensor> wanted_source_grads(const DepthProblem& p, const at::Tensor& src0,
+                                            const c10::List<bool>& output_mask) {
+  std::vector<at::Tensor> grads(p.N);
+  for (int64_t i = 0; i < p.N; ++i) {
+    if (output_mask.get(i)) grads[i] = detail::empty_cached(src0.sizes(), src0.options());
+  }
+  return grads;
+}
+
 }  // namespace
 
 // ---- the forward ops' host sequence of every device (block_read_sequence.h) ---
@@ -303,28 +337,15 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> run_block_reads_bwd(
     const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
     const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
     const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
-  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, 0.0, scale);
+  const DepthProblem p = check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries,
+                                              norm_weights, rstd, weights, scale);
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
-  TORCH_CHECK_VALUE(grad_partial_outs.empty() || static_cast<int64_t>(grad_partial_outs.size()) == S,
-                    "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
-                    grad_partial_outs.size());
-  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
-  if (is_defined(grad_lse)) {
-    check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), kLseDtype, src0);
-  }
-  check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
-  check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
   check_mask(output_mask, p.N + 2, "each source, queries, norm_weights");
   if (k.check_device) k.check_device();
   const c10::DeviceGuard guard(src0.device());
-  std::vector<at::Tensor> grads(p.N);
-  for (int64_t i = 0; i < p.N; ++i) {
-    if (output_mask.get(i)) {
-      grads[i] = detail::empty_cached(src0.sizes(), src0.options());
-    }
-  }
+  std::vector<at::Tensor> grads = wanted_source_grads(p, src0, output_mask);
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
   at::Tensor z;
   if (want_query || want_gain) z = at::zeros({S, p.D}, queries.options().dtype(acc));
@@ -345,31 +366,18 @@ BlockReadsNormedBackward run_block_reads_normed_bwd(
     const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
     const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
     const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask) {
-  const DepthProblem p = check_block_reads_args(sources, queries, norm_weights, 0.0, scale);
+  const DepthProblem p = check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries,
+                                              norm_weights, rstd, weights, scale);
   const int64_t S = queries.size(0);
   const at::Tensor& src0 = sources[0];
   const auto acc = acc_dtype_for(src0.scalar_type());
-  TORCH_CHECK_VALUE(grad_partial_outs.empty() || static_cast<int64_t>(grad_partial_outs.size()) == S,
-                    "grad_partial_outs must hold S = ", S, " tensors (or none), got ",
-                    grad_partial_outs.size());
-  for (const auto& g : grad_partial_outs) check_like(g, "grad_partial_outs", src0, "the sources'");
-  if (is_defined(grad_lse)) {
-    check_stat(*grad_lse, "grad_lse", with_front({S}, p.lead_shape), kLseDtype, src0);
-  }
   check_out_norm_args(out_weight, 0.0, sources, p);
   check_like(h, "h (the forward's read before the output norm)", src0, "the sources'");
-  check_stat(rstd, "rstd", p.stat_shape(), acc, src0);
-  check_stat(weights, "weights", with_front({S, p.N}, p.lead_shape), acc, src0);
   check_stat(out_rstd, "out_rstd", p.lead_shape, acc, src0);
   check_mask(output_mask, p.N + 3, "each source, queries, norm_weights, out_weight");
   if (k.check_device) k.check_device();
   const c10::DeviceGuard guard(src0.device());
-  std::vector<at::Tensor> grads(p.N);
-  for (int64_t i = 0; i < p.N; ++i) {
-    if (output_mask.get(i)) {
-      grads[i] = detail::empty_cached(src0.sizes(), src0.options());
-    }
-  }
+  std::vector<at::Tensor> grads = wanted_source_grads(p, src0, output_mask);
   const bool want_query = output_mask.get(p.N), want_gain = output_mask.get(p.N + 1);
   at::Tensor z, d_out_weight;
   if (want_query || want_gain) z = at::zeros({S, p.D}, queries.options().dtype(acc));
