@@ -15,7 +15,8 @@
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
 #      shapes that take the rings); then the fused output norm vs read +
 #      rms_norm, briefly (out_norm_stage); then two-phase vs one-call Block
-#      reads (block_reads_stage);
+#      reads (block_reads_stage) and the example GPT's inference forward,
+#      standard vs Full vs Block (block_gpt_stage);
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
@@ -63,7 +64,7 @@ BENCH_IMPLS=${BENCH_IMPLS:-attnres,eager,fla,liger,compile}
 [ "$DRY_RUN" = 1 ] && BENCH_IMPLS=${GPU_CHECK_DRY_BENCH_IMPLS:-attnres,eager,fla,liger}
 MODEL_IMPLS=${MODEL_IMPLS:-attnres fla eager}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md  # this run's rows only (appended stage by stage)
+rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md  # this run's only
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( TOTAL_S - $(elapsed) )); }
@@ -73,7 +74,9 @@ WARM_PID=""
 copy_out() {
   [ -n "$WARM_PID" ] && kill -TERM "$WARM_PID" 2>/dev/null
   [ -z "${OUT:-}" ] && return 0
-  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
+  # block_reads.py names its files after the GPU: block_reads_<name>_CUDA_<version>*.md
+  for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md \
+           "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
            "$RESULTS/peers.txt" "$RESULTS/peers_warmup.log" "$RESULTS/sanitize.txt" \
            "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out "$RESULTS"/tests_*.txt; do
     [ -f "$f" ] && cp "$f" "$OUT/" 2>/dev/null
@@ -299,6 +302,7 @@ PY
   ring_ab_stage
   out_norm_stage
   block_reads_stage
+  block_gpt_stage
 
   local k
   k=$(echo $MODEL_IMPLS | wc -w)
@@ -471,6 +475,29 @@ block_reads_stage() {
       --repeats 3 --out-dir "$RESULTS"
   fi
   echo "block_reads stage rc=$?"
+}
+
+# The example GPT's inference forward (torch.no_grad): standard residual,
+# Full, Block one-call / two-phase, with LayerNorm and with the RMSNorm fused
+# into the reads (benchmarks/block_reads.py --gpt-only: 16 layers, D = 1024,
+# B = 8, T = 1024, fp32 on CUDA), issue 9's "within 2% on a GPU". At most
+# BLOCK_GPT_S (default 45) seconds.
+BLOCK_GPT_S=${BLOCK_GPT_S:-45}
+block_gpt_stage() {
+  local c
+  c=$(cap "$BLOCK_GPT_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== example GPT inference: standard vs Full vs Block ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -lt 15 ]; then
+    echo "no time left"
+    return 0
+  fi
+  if [ "$DRY_RUN" = 1 ]; then
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick --gpt-only
+  else
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cuda --gpt-only --repeats 3 \
+      --out-dir "$RESULTS"
+  fi
+  echo "block_gpt stage rc=$?"
 }
 
 # compute-sanitizer (memcheck, racecheck) on small shapes of every kernel

@@ -376,10 +376,13 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     for expected in ("DRY RUN on the CPU", "attnres CPU kernels registered: True",
                      "smoke check: 0 failure(s)", "smoke rc=0", "bench.py priority rc=0",
                      "bench.py rings on rc=0", "bench.py rings off rc=0",
-                     "out_norm stage rc=0", "block_reads stage rc=0", "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
+                     "out_norm stage rc=0", "block_reads stage rc=0", "block_gpt stage rc=0",
+                     "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
                      "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
         assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
     assert "FAIL" not in log.replace("failure(s)", "")
+    # The GPT stage's table: Block two-phase with the fused norm against the standard residual.
+    assert "| block two-phase, fused RMSNorm |" in log and "Example GPT inference forward" in log
     # The smoke check compared both phases' backward too (every dtype and shape).
     assert log.count("merge backward: max rel err") >= 4, log[-6000:]
     assert log.count("reads backward: max rel err") >= 4, log[-6000:]
