@@ -472,6 +472,9 @@ def main():
     ap.add_argument("--gpt-only", action="store_true",
                     help="part 2 only (the example GPT's inference forward; on CUDA 16 layers, "
                          "D = 1024, B = 8, T = 1024); results file suffixed _gpt")
+    ap.add_argument("--gpt", default=None, metavar="LAYERS,D,B,T,S",
+                    help="the example GPT's size (default 16,512,4,256,4; with --gpt-only on "
+                         "CUDA 16,1024,8,1024,4); a results file suffixed with it")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the current GPU (on CUDA, Block \"auto\" reads one-call)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="where the results file goes")
@@ -491,6 +494,10 @@ def main():
     # < 2% inference claim is about.
     gpt = ((2, 64, 2, 32, 2) if args.quick else
            (16, 1024, 8, 1024, 4) if args.gpt_only and DEV.type == "cuda" else (16, 512, 4, 256, 4))
+    if args.gpt:
+        gpt = tuple(int(x) for x in args.gpt.split(","))
+        if len(gpt) != 5 or min(gpt) < 1:
+            ap.error(f"--gpt takes LAYERS,D,B,T,S (5 positive integers), got {args.gpt!r}")
     gpt_repeats = repeats if args.quick else 2 * repeats + 1
     default = "glibc malloc as configured by default" if DEV.type == "cpu" else "CUDA"
     if args.gpt_only:
@@ -518,6 +525,8 @@ def main():
     if not args.quick:
         suffix = ("_gpt" if args.gpt_only else f"_reads_T{T}" if args.reads_only else
                   "" if T == 2048 else f"_T{T}")
+        if args.gpt and not args.reads_only:
+            suffix += ("_" if args.gpt_only else "_gpt_") + "_".join(map(str, gpt))
         write_results(out, args.out_dir, "block_reads", machine, suffix)
 
 

@@ -303,6 +303,15 @@ def test_block_reads_benchmark_quick():
     assert sum(1 for r in rows if r.split("|")[1].strip() in ("1", "4", "8")) == 3  # phase 1 alone
     assert "training step" not in proc.stdout and "block two-phase" not in proc.stdout
     assert "T = 96 tokens" in proc.stdout and "Phase 1 alone" in proc.stdout
+    # --gpt-only --gpt: part 2 alone at the given size; a malformed size is refused.
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--gpt-only", "--gpt", "1,32,1,16,2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1 layers (2 sublayers), D = 32, B = 1, T = 16, Block S = 2" in proc.stdout
+    assert "Reads of a Block model" not in proc.stdout and "training step" not in proc.stdout
+    proc = subprocess.run([sys.executable, str(script), "--gpt-only", "--gpt", "16,512,4"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "LAYERS,D,B,T,S" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_read_host_time_benchmark(tmp_path):
