@@ -7,7 +7,9 @@
       # against S one-call reads of the same 9 sources: block_reads_<cpu>_reads_T8192.md
   python benchmarks/block_reads.py --device cuda --tokens 8192 --reads-only --out-dir DIR
       # the same on the current GPU (gpu_check.sh's block_reads stage):
-      # block_reads_<gpu>_cuda_reads_T8192.md; every timed call is synchronized
+      # block_reads_<gpu>_CUDA_<version>_reads_T8192.md; every timed call is synchronized
+  python benchmarks/block_reads.py --gpt-only [--gpt LAYERS,D,B,T,S] [--device cuda]
+      # part 2 alone (gpu_check.sh's block_gpt stage on CUDA): block_reads_<machine>_gpt[_sizes].md
 
 Part 1, the reads of a Block model: L reads (one per sublayer) over the
 sources a Block stream holds (embedding, completed block sums, partial
@@ -18,7 +20,7 @@ its readers, then at every later read of the block the merge in place,
 attnres.ops.block_read_merge_inplace, as DepthStream does under no_grad;
 and, for comparison, attnres.block_read_merge into a new tensor).
 Bytes per token are counted from the ops' inputs and outputs (rows of D
-values read or written, plus the float32 statistics), not measured with
+values read or written, plus the statistics: float32, lse float64), not measured with
 hardware counters: the accounting of docs/design.md §10.
 
 Part 2, the example GPT (python/attnres/models.py) inference forward under
@@ -254,17 +256,47 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 def keep_freed_memory():
     """Make glibc's malloc keep freed memory for reuse in this process (no
-    trimming of the heap, a fixed 32 MiB mmap threshold), as jemalloc and
+    trimming of the heap, a fixed 32 MiB mmap threshold: allocations under
+    32 MiB come from the heap and are never handed back), as jemalloc and
     tcmalloc do. By default glibc hands freed heap memory back to the system
     and the next allocation page-faults it in again, so a whole-model timing
     depends on where each model's allocations happen to fall (measured:
-    docs/design.md §10). Returns what was set, or None (not glibc)."""
+    docs/design.md §10). Larger allocations are still mapped afresh: the
+    page-fault column shows it. Returns what was set, or None (not glibc)."""
     if platform.libc_ver()[0] != "glibc":
         return None
     mallopt = ctypes.CDLL(None).mallopt
-    if mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
-        return None
+    for option, value in ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 2**31 - 1)):
+        if mallopt(option, value) != 1:
+            raise RuntimeError(f"glibc mallopt({option}, {value}) failed")
     return "mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 2 GiB - 1)"
+
+
+def parse_gpt_size(text):
+    """--gpt LAYERS,D,B,T,S as a tuple of ints; ValueError when malformed (the
+    example GPT takes max(1, D // 64) heads, which must divide D)."""
+    try:
+        size = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        size = ()
+    if len(size) != 5 or min(size) < 1:
+        raise ValueError(f"--gpt takes LAYERS,D,B,T,S (5 positive integers), got {text!r}")
+    D = size[1]
+    if D % max(1, D // 64):
+        raise ValueError(f"--gpt: D = {D} is not divisible by the example GPT's "
+                         f"{max(1, D // 64)} heads (D // 64)")
+    return size
+
+
+def results_suffix(gpt_only, reads_only, T, gpt_size=None):
+    """The results file's suffix: one per kind of run, so no run overwrites
+    another kind's file (gpt_size: the --gpt size, when given)."""
+    sizes = "_" + "_".join(map(str, gpt_size)) if gpt_size else ""
+    if gpt_only:
+        return "_gpt" + sizes
+    if reads_only:
+        return f"_reads_T{T}"
+    return ("" if T == 2048 else f"_T{T}") + ("_model" + sizes if sizes else "")
 
 
 def part_reads(T, D, repeats, out):
@@ -466,12 +498,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens of part 1's and part 3's reads (default 2048; --quick 128): "
                          "more than the last-level cache holds shows the memory-bound case")
-    ap.add_argument("--reads-only", action="store_true",
-                    help="part 1 only (the inference reads), and phase 1 alone against S "
-                         "one-call reads; results file suffixed _reads_T<tokens>")
-    ap.add_argument("--gpt-only", action="store_true",
-                    help="part 2 only (the example GPT's inference forward; on CUDA 16 layers, "
-                         "D = 1024, B = 8, T = 1024); results file suffixed _gpt")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--reads-only", action="store_true",
+                      help="part 1 only (the inference reads), and phase 1 alone against S "
+                           "one-call reads; results file suffixed _reads_T<tokens>")
+    only.add_argument("--gpt-only", action="store_true",
+                      help="part 2 only (the example GPT's inference forward; on CUDA 16 "
+                           "layers, D = 1024, B = 8, T = 1024); results file suffixed _gpt")
     ap.add_argument("--gpt", default=None, metavar="LAYERS,D,B,T,S",
                     help="the example GPT's size (default 16,512,4,256,4; with --gpt-only on "
                          "CUDA 16,1024,8,1024,4); a results file suffixed with it")
@@ -495,9 +528,10 @@ def main():
     gpt = ((2, 64, 2, 32, 2) if args.quick else
            (16, 1024, 8, 1024, 4) if args.gpt_only and DEV.type == "cuda" else (16, 512, 4, 256, 4))
     if args.gpt:
-        gpt = tuple(int(x) for x in args.gpt.split(","))
-        if len(gpt) != 5 or min(gpt) < 1:
-            ap.error(f"--gpt takes LAYERS,D,B,T,S (5 positive integers), got {args.gpt!r}")
+        try:
+            gpt = parse_gpt_size(args.gpt)
+        except ValueError as e:
+            ap.error(str(e))
     gpt_repeats = repeats if args.quick else 2 * repeats + 1
     default = "glibc malloc as configured by default" if DEV.type == "cpu" else "CUDA"
     if args.gpt_only:
@@ -523,10 +557,7 @@ def main():
                 part_gpt_train(*gpt, gpt_repeats, out, f"malloc keeping freed memory ({kept})")
     out.append(load_footer(load_before, os.getloadavg(), "this script keeps ~2 threads busy"))
     if not args.quick:
-        suffix = ("_gpt" if args.gpt_only else f"_reads_T{T}" if args.reads_only else
-                  "" if T == 2048 else f"_T{T}")
-        if args.gpt and not args.reads_only:
-            suffix += ("_" if args.gpt_only else "_gpt_") + "_".join(map(str, gpt))
+        suffix = results_suffix(args.gpt_only, args.reads_only, T, gpt if args.gpt else None)
         write_results(out, args.out_dir, "block_reads", machine, suffix)
 
 

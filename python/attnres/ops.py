@@ -414,9 +414,10 @@ def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale):
     return partial_outs, lse, rstd, weights
 
 
-@torch.library.register_fake("attnres::block_reads_bwd")
-def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale, output_mask):
+def _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale):
+    """What both phase-1 backward fakes check first, in the C++ order
+    (csrc/block_reads.cpp check_reads_bwd_args)."""
     check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
     src0 = sources[0]
     S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
@@ -431,6 +432,14 @@ def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_we
         _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
     _check_stat(rstd, "rstd", [N, *lead], acc, src0)
     _check_stat(weights, "weights", [S, N, *lead], acc, src0)
+
+
+@torch.library.register_fake("attnres::block_reads_bwd")
+def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale, output_mask):
+    _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale)
+    N = len(sources)
     if len(output_mask) != N + 2:
         raise ValueError(
             f"output_mask must have {N + 2} entries (each source, queries, norm_weights), got "
@@ -459,23 +468,13 @@ def _block_reads_normed_fwd_fake(sources, queries, norm_weights, out_weight, eps
 @torch.library.register_fake("attnres::block_reads_normed_bwd")
 def _block_reads_normed_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights,
                                  out_weight, h, rstd, weights, out_rstd, scale, output_mask):
-    check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
+    _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale)
     src0 = sources[0]
-    S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
-    acc = _acc_dtype(src0.dtype)
-    if len(grad_partial_outs) not in (0, S):
-        raise ValueError(
-            f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
-        )
-    for g in grad_partial_outs:
-        _check_like(g, "grad_partial_outs", src0, "the sources'")
-    if grad_lse is not None:
-        _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
+    N, lead = len(sources), list(src0.shape[:-1])
     check_out_norm_args(out_weight, 0.0, src0)
     _check_like(h, "h (the forward's read before the output norm)", src0, "the sources'")
-    _check_stat(rstd, "rstd", [N, *lead], acc, src0)
-    _check_stat(weights, "weights", [S, N, *lead], acc, src0)
-    _check_stat(out_rstd, "out_rstd", lead, acc, src0)
+    _check_stat(out_rstd, "out_rstd", lead, _acc_dtype(src0.dtype), src0)
     if len(output_mask) != N + 3:
         raise ValueError(
             f"output_mask must have {N + 3} entries (each source, queries, norm_weights, "

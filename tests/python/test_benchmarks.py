@@ -273,6 +273,17 @@ def test_block_reads_benchmark_quick():
     spec.loader.exec_module(mod)
     one, two = mod.row_counts(32, 4, 1 << 20)  # a huge D: the statistics vanish
     assert abs(one / (4 << 20) - 200) < 0.01 and abs(two / (4 << 20) - 140) < 0.01
+    # Every kind of run gets a results file of its own.
+    size = (16, 1024, 2, 256, 4)
+    suffixes = [mod.results_suffix(False, False, 2048), mod.results_suffix(False, False, 4096),
+                mod.results_suffix(False, False, 2048, size), mod.results_suffix(False, True, 8192),
+                mod.results_suffix(True, False, 2048), mod.results_suffix(True, False, 2048, size)]
+    assert suffixes == ["", "_T4096", "_model_16_1024_2_256_4", "_reads_T8192", "_gpt",
+                        "_gpt_16_1024_2_256_4"]
+    assert mod.parse_gpt_size("16,1024,2,256,4") == size
+    for bad in ("16,512,4", "16,a,4,256,4", "16,512,4,256,0", "16,200,4,256,4"):  # 200: 3 heads
+        with pytest.raises(ValueError, match="--gpt"):
+            mod.parse_gpt_size(bad)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=ROOT, env=env,
@@ -309,9 +320,12 @@ def test_block_reads_benchmark_quick():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1 layers (2 sublayers), D = 32, B = 1, T = 16, Block S = 2" in proc.stdout
     assert "Reads of a Block model" not in proc.stdout and "training step" not in proc.stdout
-    proc = subprocess.run([sys.executable, str(script), "--gpt-only", "--gpt", "16,512,4"],
+    proc = subprocess.run([sys.executable, str(script), "--gpt-only", "--gpt", "16,x,4,256,4"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "LAYERS,D,B,T,S" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(script), "--gpt-only", "--reads-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_read_host_time_benchmark(tmp_path):
