@@ -461,20 +461,8 @@ PY
 # $RESULTS as block_reads.py names it.
 BLOCK_READS_S=${BLOCK_READS_S:-45}
 block_reads_stage() {
-  local c
-  c=$(cap "$BLOCK_READS_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== two-phase Block reads vs one-call ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -lt 15 ]; then
-    echo "no time left"
-    return 0
-  fi
-  if [ "$DRY_RUN" = 1 ]; then
-    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick --reads-only
-  else
-    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cuda --tokens 8192 --reads-only \
-      --repeats 3 --out-dir "$RESULTS"
-  fi
-  echo "block_reads stage rc=$?"
+  block_reads_script_stage block_reads "$BLOCK_READS_S" "two-phase Block reads vs one-call" \
+    --reads-only --tokens 8192 --repeats 3
 }
 
 # The example GPT's inference forward (torch.no_grad): standard residual,
@@ -484,20 +472,28 @@ block_reads_stage() {
 # BLOCK_GPT_S (default 45) seconds.
 BLOCK_GPT_S=${BLOCK_GPT_S:-45}
 block_gpt_stage() {
-  local c
-  c=$(cap "$BLOCK_GPT_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== example GPT inference: standard vs Full vs Block ($(elapsed) s elapsed, cap ${c} s)"
+  block_reads_script_stage block_gpt "$BLOCK_GPT_S" \
+    "example GPT inference: standard vs Full vs Block" --gpt-only --repeats 3
+}
+
+# One run of benchmarks/block_reads.py: $1 the stage's name, $2 its cap, $3
+# what it measures, the rest block_reads.py's arguments on the GPU (the dry
+# run: the first of them with --quick, on the CPU).
+block_reads_script_stage() {
+  local name=$1 cap_s=$2 what=$3 c
+  shift 3
+  c=$(cap "$cap_s" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== $what ($(elapsed) s elapsed, cap ${c} s)"
   if [ "$c" -lt 15 ]; then
     echo "no time left"
     return 0
   fi
   if [ "$DRY_RUN" = 1 ]; then
-    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick --gpt-only
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick "$1"
   else
-    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cuda --gpt-only --repeats 3 \
-      --out-dir "$RESULTS"
+    timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cuda "$@" --out-dir "$RESULTS"
   fi
-  echo "block_gpt stage rc=$?"
+  echo "$name stage rc=$?"
 }
 
 # compute-sanitizer (memcheck, racecheck) on small shapes of every kernel
