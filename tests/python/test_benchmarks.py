@@ -298,6 +298,8 @@ def test_block_reads_benchmark_quick():
     # call, and (glibc) the same tables again with malloc keeping freed memory.
     assert "| block auto, fused RMSNorm |" in proc.stdout
     assert "minor page faults per call" in proc.stdout
+    gpt_rows = [r.split("|") for r in rows if r.startswith("| block auto, fused RMSNorm |")]
+    assert gpt_rows and all(len(r) == 7 and float(r[5]) >= 0 for r in gpt_rows), gpt_rows
     kept = proc.stdout.count("malloc keeping freed memory (mallopt(")
     assert kept == (2 if platform.libc_ver()[0] == "glibc" else 0), proc.stdout[-3000:]
     # --reads-only --tokens: part 1 and phase 1 alone, at the given size.
