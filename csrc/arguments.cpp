@@ -138,18 +138,40 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   return p;
 }
 
-namespace {
+void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
+                         at::TensorList sources, const DepthProblem& p) {
+  const at::Tensor& src0 = sources[0];
+  check_parameter(out_weight, "out_weight", src0, p.D);
+  const double limit = acc_max(src0.scalar_type());
+  TORCH_CHECK_VALUE(std::isfinite(out_eps) && out_eps >= 0.0 && out_eps <= limit,
+                    "out_eps must be a finite number >= 0 (finite in the accumulation "
+                    "dtype), got ", out_eps);
+}
 
-// What the one-call and the normed backward share; h_name names the
-// forward's h in messages, mask_what lists the output_mask entries.
-DepthProblem check_backward_common(const std::optional<at::Tensor>& grad_out,
-                                   const std::optional<at::Tensor>& grad_weights,
-                                   at::TensorList sources, const at::Tensor& query,
-                                   const std::optional<at::Tensor>& norm_weight,
-                                   const at::Tensor& out, const char* h_name,
-                                   const at::Tensor& rstd, const at::Tensor& weights,
-                                   double scale, const c10::List<bool>& output_mask,
-                                   int64_t mask_extra, const char* mask_what) {
+void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor& src0,
+                    const DepthProblem& p) {
+  TORCH_CHECK_VALUE(out_rstd.has_value() && out_rstd->defined(),
+                    "out_rstd must be a tensor (the forward's, with out_weight)");
+  check_dense(*out_rstd, "out_rstd");
+  TORCH_CHECK_VALUE(out_rstd->sizes() == at::IntArrayRef(p.lead_shape),
+                    "out_rstd must have shape [...] = ", at::IntArrayRef(p.lead_shape),
+                    " (one per token), got ", out_rstd->sizes());
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  TORCH_CHECK_TYPE(out_rstd->scalar_type() == acc, "out_rstd must have dtype ", acc, ", got ",
+                   out_rstd->scalar_type());
+  TORCH_CHECK_VALUE(out_rstd->device() == src0.device(),
+                    "out_rstd must be on the sources' device");
+}
+
+DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
+                                 const std::optional<at::Tensor>& grad_weights,
+                                 at::TensorList sources, const at::Tensor& query,
+                                 const std::optional<at::Tensor>& norm_weight,
+                                 const at::Tensor& h, const at::Tensor& rstd,
+                                 const at::Tensor& weights, double scale,
+                                 const c10::List<bool>& output_mask,
+                                 const std::optional<at::Tensor>& out_weight,
+                                 const std::optional<at::Tensor>& out_rstd) {
   DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0, scale);
   const at::Tensor& src0 = sources[0];
   if (grad_out.has_value() && grad_out->defined()) {
@@ -164,15 +186,15 @@ DepthProblem check_backward_common(const std::optional<at::Tensor>& grad_out,
                       "grad_out must be on the sources' device");
   }
   // The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
-  TORCH_CHECK_VALUE(out.defined(), h_name, " must be a tensor");
-  check_dense(out, h_name);
-  TORCH_CHECK_VALUE(out.sizes() == src0.sizes(), h_name, " must have the sources' shape ",
-                    src0.sizes(), ", got ", out.sizes());
-  TORCH_CHECK_TYPE(out.scalar_type() == src0.scalar_type(), h_name,
+  constexpr const char* h_name = "h (the forward's read)";
+  TORCH_CHECK_VALUE(h.defined(), h_name, " must be a tensor");
+  check_dense(h, h_name);
+  TORCH_CHECK_VALUE(h.sizes() == src0.sizes(), h_name, " must have the sources' shape ",
+                    src0.sizes(), ", got ", h.sizes());
+  TORCH_CHECK_TYPE(h.scalar_type() == src0.scalar_type(), h_name,
                    " must have the sources' dtype ", src0.scalar_type(), ", got ",
-                   out.scalar_type());
-  TORCH_CHECK_VALUE(out.device() == src0.device(), h_name,
-                    " must be on the sources' device");
+                   h.scalar_type());
+  TORCH_CHECK_VALUE(h.device() == src0.device(), h_name, " must be on the sources' device");
   const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
   auto check_stat = [&](const at::Tensor& t, const char* name) {
@@ -192,60 +214,16 @@ DepthProblem check_backward_common(const std::optional<at::Tensor>& grad_out,
   if (grad_weights.has_value() && grad_weights->defined()) {
     check_stat(*grad_weights, "grad_weights");
   }
-  TORCH_CHECK_VALUE(static_cast<int64_t>(output_mask.size()) == p.N + 2 + mask_extra,
-                    "output_mask must have N + ", 2 + mask_extra, " = ", p.N + 2 + mask_extra,
-                    " entries (", mask_what, "), got ", output_mask.size());
-  return p;
-}
-
-}  // namespace
-
-DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
-                                 const std::optional<at::Tensor>& grad_weights,
-                                 at::TensorList sources,
-                                 const at::Tensor& query,
-                                 const std::optional<at::Tensor>& norm_weight,
-                                 const at::Tensor& out,
-                                 const at::Tensor& rstd,
-                                 const at::Tensor& weights, double scale,
-                                 const c10::List<bool>& output_mask) {
-  return check_backward_common(grad_out, grad_weights, sources, query, norm_weight, out,
-                               "out (the forward's output h)", rstd, weights, scale,
-                               output_mask, 0, "each source, query, norm_weight");
-}
-
-void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
-                         at::TensorList sources, const DepthProblem& p) {
-  const at::Tensor& src0 = sources[0];
-  check_parameter(out_weight, "out_weight", src0, p.D);
-  const double limit = acc_max(src0.scalar_type());
-  TORCH_CHECK_VALUE(std::isfinite(out_eps) && out_eps >= 0.0 && out_eps <= limit,
-                    "out_eps must be a finite number >= 0 (finite in the accumulation "
-                    "dtype), got ", out_eps);
-}
-
-DepthProblem check_normed_backward_args(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
-    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
-    const c10::List<bool>& output_mask) {
-  const DepthProblem p = check_backward_common(
-      grad_out, grad_weights, sources, query, norm_weight, h,
-      "h (the forward's read before the output norm)", rstd, weights, scale, output_mask, 1,
-      "each source, query, norm_weight, out_weight");
-  check_out_norm_args(out_weight, 0.0, sources, p);
-  const at::Tensor& src0 = sources[0];
-  TORCH_CHECK_VALUE(out_rstd.defined(), "out_rstd must be a tensor");
-  check_dense(out_rstd, "out_rstd");
-  TORCH_CHECK_VALUE(out_rstd.sizes() == at::IntArrayRef(p.lead_shape),
-                    "out_rstd must have shape [...] = ", at::IntArrayRef(p.lead_shape),
-                    " (one per token), got ", out_rstd.sizes());
-  const auto acc = acc_dtype_for(src0.scalar_type());
-  TORCH_CHECK_TYPE(out_rstd.scalar_type() == acc, "out_rstd must have dtype ", acc, ", got ",
-                   out_rstd.scalar_type());
-  TORCH_CHECK_VALUE(out_rstd.device() == src0.device(),
-                    "out_rstd must be on the sources' device");
+  const bool normed = out_weight.has_value() && out_weight->defined();
+  const int64_t flags = p.N + (normed ? 3 : 2);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(output_mask.size()) == flags,
+                    "output_mask must have N + ", flags - p.N, " = ", flags,
+                    " entries (each source, query, norm_weight",
+                    normed ? ", out_weight" : "", "), got ", output_mask.size());
+  if (normed) {
+    check_out_norm_args(*out_weight, 0.0, sources, p);
+    check_out_rstd(out_rstd, src0, p);
+  }
   return p;
 }
 

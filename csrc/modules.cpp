@@ -166,12 +166,8 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     // Reader 0's output norm (when it has one) is fused into phase 1:
     // partials[0] is its final read (docs/design.md §11).
     auto [partials, lse] =
-        reader.out_weight.defined()
-            ? attnres::block_reads_normed(completed_, at::stack(queries), stacked_gains,
-                                          reader.out_weight, reader.options.eps(), 1.0,
-                                          reader.options.out_eps())
-            : attnres::block_reads(completed_, at::stack(queries), stacked_gains,
-                                   reader.options.eps());
+        attnres::block_reads(completed_, at::stack(queries), stacked_gains, reader.options.eps(),
+                             1.0, reader.out_weight_or_none(), reader.options.out_eps());
     // Without grad mode nothing is recomputed: keep one block's partials only.
     if (!at::GradMode::is_enabled()) state.entries.clear();
     detail::BlockReadState::Entry entry;
@@ -190,27 +186,18 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   }
   // Phase 2 fuses the reader's output norm when it has one (§11).
   if (at::GradMode::is_enabled()) {
-    if (reader.out_weight.defined()) {
-      return block_read_merge_normed(it->second.partials[pos], it->second.lse[pos], partial_,
-                                     reader.query, gain, reader.out_weight, reader.options.eps(),
-                                     1.0, reader.options.out_eps());
-    }
     return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
-                            gain, reader.options.eps());
+                            gain, reader.options.eps(), 1.0, reader.out_weight_or_none(),
+                            reader.options.out_eps());
   }
   // Inference: h (y with an output norm) overwrites the partial output it
   // consumes (no new output allocated); a second read at this position
   // reads one-call.
   at::Tensor h = std::move(it->second.partials[pos]);
   it->second.partials[pos] = at::Tensor();
-  if (reader.out_weight.defined()) {
-    block_read_merge_normed_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
-                                    reader.out_weight, reader.options.eps(), 1.0,
-                                    reader.options.out_eps());
-  } else {
-    block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
-                             reader.options.eps());
-  }
+  block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                           reader.options.eps(), 1.0, reader.out_weight_or_none(),
+                           reader.options.out_eps());
   return h;
 }
 
@@ -293,11 +280,8 @@ void AttnResResidualImpl::check_width(const DepthStream& stream) const {
 at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
   const auto gain =
       norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
-  if (out_weight.defined()) {
-    return depth_attention_normed(stream.sources(), query, gain, out_weight, options.eps(), 1.0,
-                                  options.out_eps());
-  }
-  return depth_attention(stream.sources(), query, gain, options.eps());
+  return depth_attention(stream.sources(), query, gain, options.eps(), 1.0, out_weight_or_none(),
+                         options.out_eps());
 }
 
 at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {
@@ -340,11 +324,8 @@ std::tuple<at::Tensor, at::Tensor> AttnResResidualImpl::forward_with_weights(
   check_width(stream);
   const auto gain =
       norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
-  if (out_weight.defined()) {
-    return depth_attention_normed_with_weights(stream.sources(), query, gain, out_weight,
-                                               options.eps(), 1.0, options.out_eps());
-  }
-  return depth_attention_with_weights(stream.sources(), query, gain, options.eps());
+  return depth_attention_with_weights(stream.sources(), query, gain, options.eps(), 1.0,
+                                      out_weight_or_none(), options.out_eps());
 }
 
 void AttnResResidualImpl::pretty_print(std::ostream& stream) const {

@@ -1,5 +1,5 @@
-"""Python side of the torch ops: fake (meta) kernels for torch.compile,
-autograd, and the public functional API.
+"""Python side of the torch ops: fake (meta) kernels for torch.compile and
+the public functional API (autograd is registered in C++, csrc/autograd/).
 
 The kernels live in C++ (csrc/); importing this module loads them. In eager
 mode the C++ ops check their arguments (csrc/arguments.cpp) and the Python
@@ -129,23 +129,40 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
         )
 
 
+def _resolve_out_eps(out_eps, eps):
+    """out_eps as the ops take it: ``None`` follows eps."""
+    return eps if out_eps is None else out_eps
+
+
+def _out_norm_outputs(out_weight, out_eps, keep_h, like: torch.Tensor):
+    """The output norm's statistics a forward returns (h, out_rstd): empty
+    tensors without out_weight, as the C++ host sequence allocates them."""
+    acc = _acc_dtype(like.dtype)
+    if out_weight is None:
+        return (torch.empty((0,), dtype=like.dtype, device=like.device),
+                like.new_empty((0,), dtype=acc))
+    check_out_norm_args(out_weight, out_eps, like)
+    h = torch.empty(like.shape if keep_h else (0,), dtype=like.dtype, device=like.device)
+    return h, like.new_empty(like.shape[:-1], dtype=acc)
+
+
 @torch.library.register_fake("attnres::depth_attention_fwd")
-def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale):
+def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale, out_weight=None,
+                              out_eps=None, keep_h=False):
     check_args(sources, query, norm_weight, eps, scale)
     src0 = sources[0]
+    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, src0)
     stat_shape = (len(sources), *src0.shape[:-1])
     acc = _acc_dtype(src0.dtype)
     out = torch.empty(src0.shape, dtype=src0.dtype, device=src0.device)
     rstd = src0.new_empty(stat_shape, dtype=acc)
     weights = src0.new_empty(stat_shape, dtype=acc)
-    return out, rstd, weights
+    return out, rstd, weights, h, out_rstd
 
 
-def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights,
-                        scale, output_mask, *, h_name="out (the forward's output h)",
-                        mask_what="query, norm_weight") -> None:
-    """Same checks and words as csrc/arguments.cpp's check_backward_args
-    (and, with the normed op's h_name/mask_what, check_normed_backward_args)."""
+def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
+                        scale, output_mask, out_weight=None, out_rstd=None) -> None:
+    """Same checks and words as csrc/arguments.cpp's check_backward_args."""
     check_args(sources, query, norm_weight, 0.0, scale)
     src0 = sources[0]
     if grad_out is not None:
@@ -159,16 +176,15 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out
         if grad_out.device != src0.device:
             raise ValueError("grad_out must be on the sources' device")
     # The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
-    if out is None:
+    h_name = "h (the forward's read)"
+    if h is None:
         raise ValueError(f"{h_name} must be a tensor")
-    _check_dense(out, h_name)
-    if out.shape != src0.shape:
-        raise ValueError(
-            f"{h_name} must have the sources' shape {list(src0.shape)}, got {list(out.shape)}"
-        )
-    if out.dtype != src0.dtype:
-        raise TypeError(f"{h_name} must have the sources' dtype {src0.dtype}, got {out.dtype}")
-    if out.device != src0.device:
+    _check_dense(h, h_name)
+    if h.shape != src0.shape:
+        raise ValueError(f"{h_name} must have the sources' shape {list(src0.shape)}, got {list(h.shape)}")
+    if h.dtype != src0.dtype:
+        raise TypeError(f"{h_name} must have the sources' dtype {src0.dtype}, got {h.dtype}")
+    if h.device != src0.device:
         raise ValueError(f"{h_name} must be on the sources' device")
     stat_shape = [len(sources), *src0.shape[:-1]]
     acc = _acc_dtype(src0.dtype)
@@ -182,40 +198,57 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out
             raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
         if t.device != src0.device:
             raise ValueError(f"{name} must be on the sources' device")
-    extra = len(mask_what.split(", "))
+    extra = 3 if out_weight is not None else 2
     if len(output_mask) != len(sources) + extra:
+        what = "query, norm_weight, out_weight" if out_weight is not None else "query, norm_weight"
         raise ValueError(
             f"output_mask must have N + {extra} = {len(sources) + extra} entries (each source, "
-            f"{mask_what}), got {len(output_mask)}"
+            f"{what}), got {len(output_mask)}"
         )
+    if out_weight is not None:
+        check_out_norm_args(out_weight, 0.0, src0)
+        if out_rstd is None:
+            raise ValueError("out_rstd must be a tensor (the forward's, with out_weight)")
+        _check_dense(out_rstd, "out_rstd")
+        if tuple(out_rstd.shape) != tuple(src0.shape[:-1]):
+            raise ValueError(
+                f"out_rstd must have shape [...] = {list(src0.shape[:-1])} (one per token), "
+                f"got {list(out_rstd.shape)}"
+            )
+        if out_rstd.dtype != acc:
+            raise TypeError(f"out_rstd must have dtype {acc}, got {out_rstd.dtype}")
+        if out_rstd.device != src0.device:
+            raise ValueError("out_rstd must be on the sources' device")
 
 
-@torch.library.register_fake("attnres::depth_attention_bwd")
-def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, out, rstd,
-                              weights, scale, output_mask):
-    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, out, rstd, weights,
-                        scale, output_mask)
-    n = len(sources)
-    # The wanted source gradients only, in source order.
-    grads = [
-        torch.empty(s.shape, dtype=s.dtype, device=s.device)
-        for i, s in enumerate(sources)
-        if output_mask[i]
-    ]
+def _parameter_grads(output_mask, n, query, norm_weight, out_weight):
+    """The query, gain and out_weight gradients a backward fake returns."""
     gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
     grad_query = torch.empty_like(query) if output_mask[n] else None
     grad_gain = query.new_empty(query.shape, dtype=gain_dtype) if output_mask[n + 1] else None
-    return grads, grad_query, grad_gain
+    grad_out_weight = (torch.empty_like(out_weight)
+                       if out_weight is not None and output_mask[n + 2] else None)
+    return grad_query, grad_gain, grad_out_weight
 
 
-# ---- the read with a fused output norm (docs/design.md §11) -----------------
+def _wanted_source_grads(sources, output_mask):
+    """The wanted source gradients only, in source order."""
+    return [torch.empty(s.shape, dtype=s.dtype, device=s.device)
+            for i, s in enumerate(sources) if output_mask[i]]
+
+
+@torch.library.register_fake("attnres::depth_attention_bwd")
+def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, h, rstd,
+                              weights, scale, output_mask, out_weight=None, out_rstd=None):
+    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
+                        scale, output_mask, out_weight, out_rstd)
+    return (_wanted_source_grads(sources, output_mask),
+            *_parameter_grads(output_mask, len(sources), query, norm_weight, out_weight))
 
 
 def check_out_norm_args(out_weight, out_eps, src0: torch.Tensor) -> None:
     """Same checks and words as csrc/arguments.cpp's check_out_norm_args."""
     D = src0.shape[-1]
-    if out_weight is None:
-        raise ValueError(f"out_weight must be a tensor of shape [D] = [{D}]")
     _check_parameter(out_weight, "out_weight", src0, D)
     _check_number(out_eps, "out_eps")
     limit = _FLOAT64_MAX if src0.dtype == torch.float64 else _FLOAT32_MAX
@@ -224,39 +257,6 @@ def check_out_norm_args(out_weight, out_eps, src0: torch.Tensor) -> None:
             "out_eps must be a finite number >= 0 (finite in the accumulation dtype), "
             f"got {out_eps}"
         )
-
-
-@torch.library.register_fake("attnres::depth_attention_normed_fwd")
-def _depth_attention_normed_fwd_fake(sources, query, norm_weight, out_weight, eps, scale,
-                                     out_eps, keep_h):
-    out, rstd, weights = _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale)
-    src0 = sources[0]
-    check_out_norm_args(out_weight, out_eps, src0)
-    h = torch.empty(src0.shape if keep_h else (0,), dtype=src0.dtype, device=src0.device)
-    out_rstd = src0.new_empty(src0.shape[:-1], dtype=_acc_dtype(src0.dtype))
-    return out, h, rstd, weights, out_rstd
-
-
-@torch.library.register_fake("attnres::depth_attention_normed_bwd")
-def _depth_attention_normed_bwd_fake(grad_out, grad_weights, sources, query, norm_weight,
-                                     out_weight, h, rstd, weights, out_rstd, scale, output_mask):
-    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
-                        scale, output_mask,
-                        h_name="h (the forward's read before the output norm)",
-                        mask_what="query, norm_weight, out_weight")
-    src0 = sources[0]
-    check_out_norm_args(out_weight, 0.0, src0)
-    _check_dense(out_rstd, "out_rstd")
-    if tuple(out_rstd.shape) != tuple(src0.shape[:-1]):
-        raise ValueError(
-            f"out_rstd must have shape [...] = {list(src0.shape[:-1])} (one per token), "
-            f"got {list(out_rstd.shape)}"
-        )
-    grads, grad_query, grad_gain = _depth_attention_bwd_fake(
-        grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights, scale,
-        output_mask[:-1])
-    grad_out_weight = torch.empty_like(out_weight) if output_mask[len(sources) + 2] else None
-    return grads, grad_query, grad_gain, grad_out_weight
 
 
 # Autograd of these ops is registered in C++ (csrc/autograd.cpp), so C++
@@ -271,6 +271,11 @@ def _as_float(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
+
+
+def _as_eps(value, name: str) -> Optional[float]:
+    """out_eps as the op's ``float?``: None follows eps."""
+    return None if value is None else _as_float(value, name)
 
 
 def _explain_not_implemented(sources, query, norm_weight) -> None:
@@ -291,7 +296,7 @@ def depth_attention(
     scale: float = 1.0,
     return_weights: bool = False,
     out_weight: Optional[torch.Tensor] = None,
-    out_eps: float = 1e-6,
+    out_eps: Optional[float] = None,
 ):
     """Fused depth attention over ``sources`` (docs/design.md §1).
 
@@ -304,9 +309,10 @@ def depth_attention(
     through the same fused backward).
 
     With ``out_weight`` ([D], like the query) the read returns
-    ``RMSNorm(h) * out_weight`` (eps ``out_eps``) instead of h, the norm
-    fused into the read's kernels (docs/design.md §11): the sublayer after
-    it needs no pre-norm of its own.
+    ``RMSNorm(h) * out_weight`` (eps ``out_eps``, which is ``eps`` unless
+    given) instead of h, the norm fused into the read's kernels
+    (docs/design.md §11): the sublayer after it needs no pre-norm of its
+    own.
     """
     if isinstance(sources, torch.Tensor):
         if sources.dim() < 2:
@@ -318,30 +324,24 @@ def depth_attention(
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     # The op checks everything else, once, in C++.
     try:
-        if out_weight is None:
-            h, _rstd, weights = torch.ops.attnres.depth_attention_fwd(
-                sources, query, norm_weight, eps_f, scale_f
-            )
-        else:
-            # h is kept for the backward by the op's autograd when it records.
-            h, _h, _rstd, weights, _out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-                sources, query, norm_weight, out_weight, eps_f, scale_f,
-                _as_float(out_eps, "out_eps"), False
-            )
+        # With out_weight, h is kept for the backward by the op's autograd
+        # when it records.
+        out, _rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"))
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.
         _explain_not_implemented(sources, query, norm_weight)
         raise
     if return_weights:
-        return h, weights.to(torch.float32)
-    return h
+        return out, weights.to(torch.float32)
+    return out
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
 # CPU kernels (csrc/cpu/block_reads_cpu.cpp) and CUDA kernels
 # (csrc/cuda/block_kernels.cuh) for all of them. Autograd in C++
-# (csrc/block_reads.cpp), like the ops above.
+# (csrc/autograd/block_reads.cpp), like the ops above.
 
 
 def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
@@ -402,22 +402,37 @@ _LSE_DTYPE = torch.float64
 
 
 @torch.library.register_fake("attnres::block_reads_fwd")
-def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale):
+def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale, out_weight=None,
+                          out_eps=None, keep_h=False):
     check_block_reads_args(sources, queries, norm_weights, eps, scale)
     src0 = sources[0]
+    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, src0)
     S, N, lead = queries.shape[0], len(sources), tuple(src0.shape[:-1])
     acc = _acc_dtype(src0.dtype)
     partial_outs = [torch.empty(src0.shape, dtype=src0.dtype, device=src0.device) for _ in range(S)]
     lse = src0.new_empty((S, *lead), dtype=_LSE_DTYPE)
     rstd = src0.new_empty((N, *lead), dtype=acc)
     weights = src0.new_empty((S, N, *lead), dtype=acc)
-    return partial_outs, lse, rstd, weights
+    return partial_outs, lse, rstd, weights, h, out_rstd
 
 
-def _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale):
-    """What both phase-1 backward fakes check first, in the C++ order
-    (csrc/block_reads.cpp check_reads_bwd_args)."""
+def _check_out_norm_bwd_args(out_weight, h, out_rstd, like, like_name):
+    """The output norm's checks of a Block-read backward, in the C++ order
+    (csrc/block_reads.cpp check_out_norm_bwd_args)."""
+    check_out_norm_args(out_weight, 0.0, like)
+    _check_like(h, "h (the forward's read before the output norm)", like, like_name)
+    _check_stat(out_rstd, "out_rstd", like.shape[:-1], _acc_dtype(like.dtype), like)
+
+
+def _check_mask(output_mask, expected, what):
+    if len(output_mask) != expected:
+        raise ValueError(f"output_mask must have {expected} entries ({what}), got {len(output_mask)}")
+
+
+@torch.library.register_fake("attnres::block_reads_bwd")
+def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale, output_mask, out_weight=None, h=None, out_rstd=None):
+    """Same checks and words as csrc/block_reads.cpp run_block_reads_bwd."""
     check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
     src0 = sources[0]
     S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
@@ -432,61 +447,13 @@ def _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_we
         _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
     _check_stat(rstd, "rstd", [N, *lead], acc, src0)
     _check_stat(weights, "weights", [S, N, *lead], acc, src0)
-
-
-@torch.library.register_fake("attnres::block_reads_bwd")
-def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale, output_mask):
-    _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale)
-    N = len(sources)
-    if len(output_mask) != N + 2:
-        raise ValueError(
-            f"output_mask must have {N + 2} entries (each source, queries, norm_weights), got "
-            f"{len(output_mask)}"
-        )
-    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
-             for i, s in enumerate(sources) if output_mask[i]]
-    gain_dtype = norm_weights.dtype if norm_weights is not None else queries.dtype
-    grad_queries = torch.empty_like(queries) if output_mask[N] else None
-    grad_gains = queries.new_empty(queries.shape, dtype=gain_dtype) if output_mask[N + 1] else None
-    return grads, grad_queries, grad_gains
-
-
-@torch.library.register_fake("attnres::block_reads_normed_fwd")
-def _block_reads_normed_fwd_fake(sources, queries, norm_weights, out_weight, eps, scale, out_eps,
-                                 keep_h):
-    partial_outs, lse, rstd, weights = _block_reads_fwd_fake(sources, queries, norm_weights, eps,
-                                                             scale)
-    src0 = sources[0]
-    check_out_norm_args(out_weight, out_eps, src0)
-    h = torch.empty(src0.shape if keep_h else (0,), dtype=src0.dtype, device=src0.device)
-    out_rstd = src0.new_empty(src0.shape[:-1], dtype=_acc_dtype(src0.dtype))
-    return partial_outs, lse, rstd, weights, h, out_rstd
-
-
-@torch.library.register_fake("attnres::block_reads_normed_bwd")
-def _block_reads_normed_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights,
-                                 out_weight, h, rstd, weights, out_rstd, scale, output_mask):
-    _check_reads_bwd_args(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale)
-    src0 = sources[0]
-    N, lead = len(sources), list(src0.shape[:-1])
-    check_out_norm_args(out_weight, 0.0, src0)
-    _check_like(h, "h (the forward's read before the output norm)", src0, "the sources'")
-    _check_stat(out_rstd, "out_rstd", lead, _acc_dtype(src0.dtype), src0)
-    if len(output_mask) != N + 3:
-        raise ValueError(
-            f"output_mask must have {N + 3} entries (each source, queries, norm_weights, "
-            f"out_weight), got {len(output_mask)}"
-        )
-    grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device)
-             for i, s in enumerate(sources) if output_mask[i]]
-    gain_dtype = norm_weights.dtype if norm_weights is not None else queries.dtype
-    grad_queries = torch.empty_like(queries) if output_mask[N] else None
-    grad_gains = queries.new_empty(queries.shape, dtype=gain_dtype) if output_mask[N + 1] else None
-    grad_out_weight = torch.empty_like(out_weight) if output_mask[N + 2] else None
-    return grads, grad_queries, grad_gains, grad_out_weight
+    if out_weight is not None:
+        _check_out_norm_bwd_args(out_weight, h, out_rstd, src0, "the sources'")
+        _check_mask(output_mask, N + 3, "each source, queries, norm_weights, out_weight")
+    else:
+        _check_mask(output_mask, N + 2, "each source, queries, norm_weights")
+    return (_wanted_source_grads(sources, output_mask),
+            *_parameter_grads(output_mask, N, queries, norm_weights, out_weight))
 
 
 def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale) -> None:
@@ -499,91 +466,81 @@ def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale
 
 
 @torch.library.register_fake("attnres::block_read_merge_fwd")
-def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale):
+def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                               out_weight=None, out_eps=None, keep_h=False):
     check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
+    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, block_sum)
     acc = _acc_dtype(block_sum.dtype)
+    lead = block_sum.shape[:-1]
     out = torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)
-    return out, block_sum.new_empty(block_sum.shape[:-1], dtype=acc), block_sum.new_empty(
-        block_sum.shape[:-1], dtype=acc)
+    return out, block_sum.new_empty(lead, dtype=acc), block_sum.new_empty(lead, dtype=acc), h, out_rstd
 
 
 @torch.library.register_fake("attnres::block_read_merge_bwd")
 def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
-                               scale, output_mask):
+                               scale, output_mask, out_weight=None, h=None, out_rstd=None):
+    """Same checks and words as csrc/block_reads.cpp run_block_read_merge_bwd."""
     if not isinstance(block_sum, torch.Tensor):
         raise ValueError("block_sum must be a tensor [..., D]")
     check_args([block_sum], query, norm_weight, 0.0, scale)
     _check_like(grad_out, "grad_out", block_sum, "block_sum's")
     _check_like(partial_out, "partial_out", block_sum, "block_sum's")
+    if out_weight is not None:
+        _check_out_norm_bwd_args(out_weight, h, out_rstd, block_sum, "block_sum's")
     acc = _acc_dtype(block_sum.dtype)
     lead = block_sum.shape[:-1]
     _check_stat(rstd, "rstd", lead, acc, block_sum)
     _check_stat(weight, "weight", lead, acc, block_sum)
-    if len(output_mask) != 5:
-        raise ValueError(
-            "output_mask must have 5 entries (partial_out, lse, block_sum, query, norm_weight), "
-            f"got {len(output_mask)}"
-        )
-    gain_dtype = norm_weight.dtype if norm_weight is not None else query.dtype
+    if out_weight is not None:
+        _check_mask(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight")
+    else:
+        _check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight")
     rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
     return (
         rows() if output_mask[0] else None,
         block_sum.new_empty(lead, dtype=_LSE_DTYPE) if output_mask[1] else None,
         rows() if output_mask[2] else None,
-        torch.empty_like(query) if output_mask[3] else None,
-        query.new_empty(query.shape, dtype=gain_dtype) if output_mask[4] else None,
+        *_parameter_grads([*output_mask[3:]], 0, query, norm_weight, out_weight),
     )
 
 
+def _check_merge_in_place(partial_out, inputs) -> None:
+    """Same checks and words as csrc/block_reads.cpp check_merge_in_place."""
+    if not partial_out.is_contiguous():
+        raise ValueError("partial_out must be contiguous for block_read_merge_inplace (the read is "
+                         "written into it)")
+    for name, t in inputs:
+        if t is None:
+            continue
+        if t is partial_out:
+            raise ValueError(f"partial_out and {name} must be different tensors")
+        if _shares_memory(partial_out, t):
+            raise RuntimeError(
+                f"{name} shares memory with partial_out (some of their elements refer to a single "
+                f"memory location), which block_read_merge_inplace overwrites while it reads "
+                f"{name}: pass a tensor apart from it")
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges in one storage overlap."""
+    if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    a0 = a.storage_offset() * a.element_size()
+    b0 = b.storage_offset() * b.element_size()
+    a1 = a0 + a.numel() * a.element_size()
+    extent = sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1 if b.numel() else 0
+    b1 = b0 + extent * b.element_size()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+
+
 @torch.library.register_fake("attnres::block_read_merge_inplace")
-def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale):
+def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                                   out_weight=None, out_eps=None):
     check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
-    if not partial_out.is_contiguous():
-        raise ValueError(
-            "partial_out must be contiguous for block_read_merge_inplace (h is written into it)"
-        )
-    return None
-
-
-@torch.library.register_fake("attnres::block_read_merge_normed_fwd")
-def _block_read_merge_normed_fwd_fake(partial_out, lse, block_sum, query, norm_weight, out_weight,
-                                      eps, scale, out_eps, keep_h):
-    out, rstd, weight = _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight,
-                                                   eps, scale)
-    check_out_norm_args(out_weight, out_eps, block_sum)
-    h = torch.empty(block_sum.shape if keep_h else (0,), dtype=block_sum.dtype,
-                    device=block_sum.device)
-    out_rstd = block_sum.new_empty(block_sum.shape[:-1], dtype=_acc_dtype(block_sum.dtype))
-    return out, h, rstd, weight, out_rstd
-
-
-@torch.library.register_fake("attnres::block_read_merge_normed_bwd")
-def _block_read_merge_normed_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight,
-                                      out_weight, h, rstd, weight, out_rstd, scale, output_mask):
-    if len(output_mask) != 6:
-        raise ValueError(
-            "output_mask must have 6 entries (partial_out, lse, block_sum, query, norm_weight, "
-            f"out_weight), got {len(output_mask)}"
-        )
-    # The plain merge's checks and gradients, then what the norm adds.
-    grads = _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd,
-                                       weight, scale, output_mask[:5])
-    check_out_norm_args(out_weight, 0.0, block_sum)
-    _check_like(h, "h (the forward's read before the output norm)", block_sum, "block_sum's")
-    _check_stat(out_rstd, "out_rstd", block_sum.shape[:-1], _acc_dtype(block_sum.dtype), block_sum)
-    return (*grads, torch.empty_like(out_weight) if output_mask[5] else None)
-
-
-@torch.library.register_fake("attnres::block_read_merge_normed_inplace")
-def _block_read_merge_normed_inplace_fake(partial_out, lse, block_sum, query, norm_weight,
-                                          out_weight, eps, scale, out_eps):
-    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
-    check_out_norm_args(out_weight, out_eps, block_sum)
-    if not partial_out.is_contiguous():
-        raise ValueError(
-            "partial_out must be contiguous for block_read_merge_normed_inplace (y is written "
-            "into it)"
-        )
+    if out_weight is not None:
+        check_out_norm_args(out_weight, _resolve_out_eps(out_eps, eps), block_sum)
+    _check_merge_in_place(partial_out, (("block_sum", block_sum), ("lse", lse), ("query", query),
+                                        ("norm_weight", norm_weight), ("out_weight", out_weight)))
     return None
 
 
@@ -591,27 +548,23 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
                              block_sum: torch.Tensor, query: torch.Tensor,
                              norm_weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
                              scale: float = 1.0, out_weight: Optional[torch.Tensor] = None,
-                             out_eps: float = 1e-6) -> torch.Tensor:
+                             out_eps: Optional[float] = None) -> torch.Tensor:
     """Phase 2 without autograd (inference, docs/design.md §10): h is written
     into ``partial_out`` (contiguous; the phase-1 output this read consumes)
     and returned, so the read allocates no new output. With ``out_weight``
-    it is ``RMSNorm(h) * out_weight`` (eps ``out_eps``, fused, §11) that is
-    written. Raises when a gradient is wanted. CPU and CUDA."""
-    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
-    if out_weight is None:
-        torch.ops.attnres.block_read_merge_inplace(partial_out, lse, block_sum, query, norm_weight,
-                                                   eps_f, scale_f)
-    else:
-        torch.ops.attnres.block_read_merge_normed_inplace(
-            partial_out, lse, block_sum, query, norm_weight, out_weight, eps_f, scale_f,
-            _as_float(out_eps, "out_eps"))
+    it is ``RMSNorm(h) * out_weight`` (eps ``out_eps``, which is ``eps``
+    unless given; fused, §11) that is written. No input may share memory
+    with ``partial_out``. Raises when a gradient is wanted. CPU and CUDA."""
+    torch.ops.attnres.block_read_merge_inplace(
+        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
+        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"))
     return partial_out
 
 
 def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
                 norm_weights: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
                 scale: float = 1.0, out_weight: Optional[torch.Tensor] = None,
-                out_eps: float = 1e-6):
+                out_eps: Optional[float] = None):
     """Phase 1 of a two-phase Block read (docs/design.md §10): the completed
     ``sources`` read once for the S readers of a block (``queries`` [S, D],
     ``norm_weights`` [S, D] or None). Returns ``(partial_outs, lse)``: S
@@ -619,19 +572,15 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     sources, its h when the block has no partial sum yet) and the
     log-sum-exp of each reader's scores [S, ...] (float64 for every source
     dtype: its gradient can exceed float32's range, docs/design.md §10).
-    With ``out_weight`` (reader 0's output norm, §11) ``partial_outs[0]`` is ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``):
-    reader 0's read, which has no partial sum to merge. Differentiable on
-    CPU and CUDA."""
-    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
-    if out_weight is None:
-        partial_outs, lse, _rstd, _weights = torch.ops.attnres.block_reads_fwd(
-            list(sources), queries, norm_weights, eps_f, scale_f)
-    else:
-        # h_0 is kept for the backward by the op's autograd when it records.
-        partial_outs, lse, _rstd, _weights, _h, _out_rstd = (
-            torch.ops.attnres.block_reads_normed_fwd(
-                list(sources), queries, norm_weights, out_weight, eps_f, scale_f,
-                _as_float(out_eps, "out_eps"), False))
+    With ``out_weight`` (reader 0's output norm, §11) ``partial_outs[0]`` is
+    ``RMSNorm(h_0) * out_weight`` (eps ``out_eps``, which is ``eps`` unless
+    given): reader 0's read, which has no partial sum to merge.
+    Differentiable on CPU and CUDA."""
+    # With out_weight, h_0 is kept for the backward by the op's autograd
+    # when it records.
+    partial_outs, lse, _rstd, _weights, _h, _out_rstd = torch.ops.attnres.block_reads_fwd(
+        list(sources), queries, norm_weights, _as_float(eps, "eps"), _as_float(scale, "scale"),
+        out_weight, _as_eps(out_eps, "out_eps"))
     return list(partial_outs), lse
 
 
@@ -639,23 +588,19 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
                      query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, *,
                      eps: float = 1e-6, scale: float = 1.0,
                      out_weight: Optional[torch.Tensor] = None,
-                     out_eps: float = 1e-6) -> torch.Tensor:
+                     out_eps: Optional[float] = None) -> torch.Tensor:
     """Phase 2 (docs/design.md §10): one reader's h from its phase-1
     ``partial_out`` and ``lse`` and the partial ``block_sum``; equal to
     :func:`depth_attention` over the completed sources and ``block_sum``.
     With ``out_weight`` it returns ``RMSNorm(h) * out_weight`` (eps
-    ``out_eps``), the norm fused into the merge (§11), as
-    :func:`depth_attention` does with ``out_weight``. Differentiable on
-    CPU and CUDA."""
-    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
-    if out_weight is None:
-        out, _rstd, _weight = torch.ops.attnres.block_read_merge_fwd(
-            partial_out, lse, block_sum, query, norm_weight, eps_f, scale_f)
-        return out
-    # h is kept for the backward by the op's autograd when it records.
-    out, _h, _rstd, _weight, _out_rstd = torch.ops.attnres.block_read_merge_normed_fwd(
-        partial_out, lse, block_sum, query, norm_weight, out_weight, eps_f, scale_f,
-        _as_float(out_eps, "out_eps"), False)
+    ``out_eps``, which is ``eps`` unless given), the norm fused into the
+    merge (§11), as :func:`depth_attention` does with ``out_weight``.
+    Differentiable on CPU and CUDA."""
+    # With out_weight, h is kept for the backward by the op's autograd when
+    # it records.
+    out, _rstd, _weight, _h, _out_rstd = torch.ops.attnres.block_read_merge_fwd(
+        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
+        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"))
     return out
 
 

@@ -28,15 +28,19 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
                                 const std::optional<at::Tensor>& norm_weight,
                                 double eps, double scale);
 
+// The backward's arguments: h is the forward's read (its out without
+// out_weight); output_mask has N + 2 entries (each source, query,
+// norm_weight), N + 3 with out_weight, which also needs out_rstd [lead...]
+// in the accumulation dtype.
 DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  const std::optional<at::Tensor>& grad_weights,
-                                 at::TensorList sources,
-                                 const at::Tensor& query,
+                                 at::TensorList sources, const at::Tensor& query,
                                  const std::optional<at::Tensor>& norm_weight,
-                                 const at::Tensor& out,
-                                 const at::Tensor& rstd,
+                                 const at::Tensor& h, const at::Tensor& rstd,
                                  const at::Tensor& weights, double scale,
-                                 const c10::List<bool>& output_mask);
+                                 const c10::List<bool>& output_mask,
+                                 const std::optional<at::Tensor>& out_weight,
+                                 const std::optional<at::Tensor>& out_rstd);
 
 // The fused output norm (docs/design.md §11): out_weight [D] on the sources'
 // device, in their dtype or fp32 with bf16/fp16 sources (as query), and
@@ -44,16 +48,10 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
 void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
                          at::TensorList sources, const DepthProblem& p);
 
-// The normed backward's arguments: the one-call backward's (h standing for
-// out), out_weight, and out_rstd [lead...] in the accumulation dtype;
-// output_mask has N + 3 entries (each source, query, norm_weight,
-// out_weight).
-DepthProblem check_normed_backward_args(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
-    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
-    const c10::List<bool>& output_mask);
+// A backward's out_rstd: defined, [lead...], accumulation dtype, on src0's
+// device.
+void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor& src0,
+                    const DepthProblem& p);
 
 // A dense (strided) tensor, or a ValueError naming the argument (name, or
 // name[index] when index >= 0): nested and sparse tensors have no sizes or

@@ -4,7 +4,7 @@
 //   -> the device's kernel.
 // A device supplies its four kernels (BlockReadKernels: phase 1 and phase 2,
 // forward and backward) and registers them with register_block_read_kernels
-// (csrc/block_reads.cpp for the CPU, csrc/cuda/block_reads_cuda.cu for CUDA).
+// (csrc/cpu/register_cpu.cpp for the CPU, csrc/cuda/block_reads_cuda.cu for CUDA).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "attnres/block_reads.h"
-#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward
+#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward, BindKernels
 
 namespace attnres {
 
@@ -100,150 +100,51 @@ struct BlockReadKernels {
   void (*reads_backward)(const BlockReadsBackwardCall&);
 };
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> run_block_reads_fwd(
-    const BlockReadKernels& k, at::TensorList sources, const at::Tensor& queries,
-    const std::optional<at::Tensor>& norm_weights, double eps, double scale);
+// The ops' host functions: the schemas' arguments after the device's kernels.
+BlockReadsForward run_block_reads_fwd(const BlockReadKernels& k, at::TensorList sources,
+                                      const at::Tensor& queries,
+                                      const std::optional<at::Tensor>& norm_weights, double eps,
+                                      double scale, const std::optional<at::Tensor>& out_weight,
+                                      std::optional<double> out_eps, bool keep_h);
 
-BlockReadsNormedForward run_block_reads_normed_fwd(const BlockReadKernels& k,
-                                                   at::TensorList sources,
-                                                   const at::Tensor& queries,
-                                                   const std::optional<at::Tensor>& norm_weights,
-                                                   const at::Tensor& out_weight, double eps,
-                                                   double scale, double out_eps, bool keep_h);
+BlockReadsBackward run_block_reads_bwd(
+    const BlockReadKernels& k, at::TensorList grad_partial_outs,
+    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
+    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask,
+    const std::optional<at::Tensor>& out_weight, const std::optional<at::Tensor>& h,
+    const std::optional<at::Tensor>& out_rstd);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_fwd(
-    const BlockReadKernels& k, const at::Tensor& partial_out, const at::Tensor& lse,
-    const at::Tensor& block_sum, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, double eps, double scale);
+MergeForward run_block_read_merge_fwd(const BlockReadKernels& k, const at::Tensor& partial_out,
+                                      const at::Tensor& lse, const at::Tensor& block_sum,
+                                      const at::Tensor& query,
+                                      const std::optional<at::Tensor>& norm_weight, double eps,
+                                      double scale, const std::optional<at::Tensor>& out_weight,
+                                      std::optional<double> out_eps, bool keep_h);
 
 void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
                                   const at::Tensor& lse, const at::Tensor& block_sum,
                                   const at::Tensor& query,
                                   const std::optional<at::Tensor>& norm_weight, double eps,
-                                  double scale);
+                                  double scale, const std::optional<at::Tensor>& out_weight,
+                                  std::optional<double> out_eps);
 
-MergeNormedForward run_block_read_merge_normed_fwd(
-    const BlockReadKernels& k, const at::Tensor& partial_out, const at::Tensor& lse,
-    const at::Tensor& block_sum, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight, double eps,
-    double scale, double out_eps, bool keep_h);
-
-void run_block_read_merge_normed_inplace(const BlockReadKernels& k,
-                                         const at::Tensor& partial_out, const at::Tensor& lse,
-                                         const at::Tensor& block_sum, const at::Tensor& query,
-                                         const std::optional<at::Tensor>& norm_weight,
-                                         const at::Tensor& out_weight, double eps, double scale,
-                                         double out_eps);
-
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> run_block_reads_bwd(
-    const BlockReadKernels& k, at::TensorList grad_partial_outs,
-    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
-    const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
-    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask);
-
-BlockReadsNormedBackward run_block_reads_normed_bwd(
-    const BlockReadKernels& k, at::TensorList grad_partial_outs,
-    const std::optional<at::Tensor>& grad_lse, at::TensorList sources, const at::Tensor& queries,
-    const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
-    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
-    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_block_read_merge_bwd(
+MergeBackward run_block_read_merge_bwd(
     const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
     const at::Tensor& block_sum, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
-    const at::Tensor& weight, double scale, const c10::List<bool>& output_mask);
+    const at::Tensor& weight, double scale, const c10::List<bool>& output_mask,
+    const std::optional<at::Tensor>& out_weight, const std::optional<at::Tensor>& h,
+    const std::optional<at::Tensor>& out_rstd);
 
-MergeNormedBackward run_block_read_merge_normed_bwd(
-    const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
-    const at::Tensor& block_sum, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
-    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weight,
-    const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask);
-
-// Registers a device's kernels for the ten ops (phase 1 and phase 2, plain
-// and normed, forward, backward and the in-place forms) under its dispatch
-// key.
+// Registers a device's kernels for the five ops under its dispatch key.
 template <const BlockReadKernels& k>
 void register_block_read_kernels(torch::Library& m) {
-  m.impl("block_reads_fwd", [](at::TensorList sources, const at::Tensor& queries,
-                               const std::optional<at::Tensor>& norm_weights, double eps,
-                               double scale) {
-    return run_block_reads_fwd(k, sources, queries, norm_weights, eps, scale);
-  });
-  m.impl("block_reads_normed_fwd",
-         [](at::TensorList sources, const at::Tensor& queries,
-            const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
-            double eps, double scale, double out_eps, bool keep_h) {
-           return run_block_reads_normed_fwd(k, sources, queries, norm_weights, out_weight, eps,
-                                             scale, out_eps, keep_h);
-         });
-  m.impl("block_read_merge_fwd",
-         [](const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
-            double scale) {
-           return run_block_read_merge_fwd(k, partial_out, lse, block_sum, query, norm_weight,
-                                           eps, scale);
-         });
-  m.impl("block_read_merge_inplace",
-         [](const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight, double eps,
-            double scale) {
-           run_block_read_merge_inplace(k, partial_out, lse, block_sum, query, norm_weight, eps,
-                                        scale);
-         });
-  m.impl("block_read_merge_normed_fwd",
-         [](const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& out_weight, double eps, double scale, double out_eps,
-            bool keep_h) {
-           return run_block_read_merge_normed_fwd(k, partial_out, lse, block_sum, query,
-                                                  norm_weight, out_weight, eps, scale, out_eps,
-                                                  keep_h);
-         });
-  m.impl("block_read_merge_normed_inplace",
-         [](const at::Tensor& partial_out, const at::Tensor& lse, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& out_weight, double eps, double scale, double out_eps) {
-           run_block_read_merge_normed_inplace(k, partial_out, lse, block_sum, query,
-                                               norm_weight, out_weight, eps, scale, out_eps);
-         });
-  m.impl("block_reads_bwd",
-         [](at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
-            at::TensorList sources, const at::Tensor& queries,
-            const std::optional<at::Tensor>& norm_weights, const at::Tensor& rstd,
-            const at::Tensor& weights, double scale, const c10::List<bool>& output_mask) {
-           return run_block_reads_bwd(k, grad_partial_outs, grad_lse, sources, queries,
-                                      norm_weights, rstd, weights, scale, output_mask);
-         });
-  m.impl("block_reads_normed_bwd",
-         [](at::TensorList grad_partial_outs, const std::optional<at::Tensor>& grad_lse,
-            at::TensorList sources, const at::Tensor& queries,
-            const std::optional<at::Tensor>& norm_weights, const at::Tensor& out_weight,
-            const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights,
-            const at::Tensor& out_rstd, double scale, const c10::List<bool>& output_mask) {
-           return run_block_reads_normed_bwd(k, grad_partial_outs, grad_lse, sources, queries,
-                                             norm_weights, out_weight, h, rstd, weights, out_rstd,
-                                             scale, output_mask);
-         });
-  m.impl("block_read_merge_bwd",
-         [](const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& rstd, const at::Tensor& weight, double scale,
-            const c10::List<bool>& output_mask) {
-           return run_block_read_merge_bwd(k, grad_out, partial_out, block_sum, query,
-                                           norm_weight, rstd, weight, scale, output_mask);
-         });
-  m.impl("block_read_merge_normed_bwd",
-         [](const at::Tensor& grad_out, const at::Tensor& partial_out, const at::Tensor& block_sum,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-            const at::Tensor& weight, const at::Tensor& out_rstd, double scale,
-            const c10::List<bool>& output_mask) {
-           return run_block_read_merge_normed_bwd(k, grad_out, partial_out, block_sum, query,
-                                                  norm_weight, out_weight, h, rstd, weight,
-                                                  out_rstd, scale, output_mask);
-         });
+  m.impl("block_reads_fwd", &BindKernels<&run_block_reads_fwd, k>::call);
+  m.impl("block_reads_bwd", &BindKernels<&run_block_reads_bwd, k>::call);
+  m.impl("block_read_merge_fwd", &BindKernels<&run_block_read_merge_fwd, k>::call);
+  m.impl("block_read_merge_bwd", &BindKernels<&run_block_read_merge_bwd, k>::call);
+  m.impl("block_read_merge_inplace", &BindKernels<&run_block_read_merge_inplace, k>::call);
 }
 
 }  // namespace attnres

@@ -191,6 +191,10 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   friend class DepthStream;
   void check_width(const DepthStream& stream) const;
   at::Tensor read_one_call(const DepthStream& stream);
+  // out_weight as the ops take it (nullopt without an output norm).
+  std::optional<at::Tensor> out_weight_or_none() const {
+    return out_weight.defined() ? std::optional<at::Tensor>(out_weight) : std::nullopt;
+  }
   // Whether `other` can join this reader's phase-1 call (one eps, stackable
   // parameters).
   bool can_share_phase_one(const AttnResResidualImpl& other) const;

@@ -1,6 +1,7 @@
-// The one host sequence of both ops, shared by every device:
+// The one host sequence of depth_attention_fwd/bwd, shared by every device:
 //   check the arguments -> u = scale * query * gain (accumulation dtype)
 //   -> allocate the outputs -> the device's kernel -> query/gain gradients.
+// The fused output norm (out_weight) is an optional part of both.
 // A device supplies only its kernels (DeviceKernels) and registers them with
 // register_device_kernels; see cpu/register_cpu.cpp and
 // cuda/depth_attention_cuda.cu.
@@ -64,7 +65,7 @@ struct ForwardCall {
   at::Tensor& out;
   at::Tensor& rstd;
   at::Tensor& weights;
-  // Non-null: out gets RMSNorm(h) * out_norm->weight (the normed op).
+  // Non-null (out_weight given): out gets RMSNorm(h) * out_norm->weight.
   const OutNormForward* out_norm = nullptr;
 };
 
@@ -88,7 +89,7 @@ struct BackwardCall {
   const at::Tensor& weights;  // contiguous
   std::vector<at::Tensor>& grad_sources;
   at::Tensor& z;
-  // Non-null (the normed op): grad_out is the gradient of y =
+  // Non-null (out_weight given): grad_out is the gradient of y =
   // RMSNorm(h) * weight, and out is h; dh is formed per token in the kernel.
   const OutNormBackward* out_norm = nullptr;
 };
@@ -101,81 +102,82 @@ struct DeviceKernels {
   void (*backward)(const BackwardCall&);
 };
 
-using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-using BackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>;
+// A forward's fused output norm (docs/design.md §11). With out_weight: the
+// weight in the accumulation dtype, the outputs the op returns (h, written
+// only with keep_h, else empty; rstd [lead...]) and the kernels' view of
+// them. Without it h and rstd are empty tensors and kernel() is null, as
+// native_layer_norm returns statistics of a fixed form. Construct after the
+// checks (check_out_norm_args) and under the device guard.
+class OutNormOutputs {
+ public:
+  OutNormOutputs(const std::optional<at::Tensor>& out_weight, double out_eps, bool keep_h,
+                 const at::Tensor& like, const DepthProblem& p);
+  OutNormOutputs(const OutNormOutputs&) = delete;  // kernel() points into it
+  const OutNormForward* kernel() const { return view_ ? &*view_ : nullptr; }
+  at::Tensor h, rstd;
+
+ private:
+  at::Tensor weight_, kernel_h_;
+  std::optional<OutNormForward> view_;
+};
+
+// A backward's fused output norm: the kernels' view (null without
+// out_weight) and the out_weight gradient when wanted.
+class OutNormGrads {
+ public:
+  OutNormGrads(const std::optional<at::Tensor>& out_weight,
+               const std::optional<at::Tensor>& out_rstd, bool want_grad, int64_t D);
+  OutNormGrads(const OutNormGrads&) = delete;
+  const OutNormBackward* kernel() const { return view_ ? &*view_ : nullptr; }
+  // The out_weight gradient in out_weight's dtype (undefined: not wanted).
+  at::Tensor grad() const;
+
+ private:
+  at::Tensor weight_, rstd_, grad_;
+  at::ScalarType dtype_ = at::kFloat;
+  std::optional<OutNormBackward> view_;
+};
+
+// out_eps as the op takes it: `float? out_eps`, following eps when absent.
+inline double resolve_out_eps(std::optional<double> out_eps, double eps) {
+  return out_eps.value_or(eps);
+}
+
+// The op's host functions: the schemas' arguments after the device's kernels.
+using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using BackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
 
 ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
-                          const at::Tensor& query,
-                          const std::optional<at::Tensor>& norm_weight,
-                          double eps, double scale);
+                          const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+                          double eps, double scale, const std::optional<at::Tensor>& out_weight,
+                          std::optional<double> out_eps, bool keep_h);
 
 BackwardResult run_backward(const DeviceKernels& kernels,
                             const std::optional<at::Tensor>& grad_out,
                             const std::optional<at::Tensor>& grad_weights,
                             at::TensorList sources, const at::Tensor& query,
-                            const std::optional<at::Tensor>& norm_weight,
-                            const at::Tensor& out, const at::Tensor& rstd,
-                            const at::Tensor& weights, double scale,
-                            const c10::List<bool>& output_mask);
+                            const std::optional<at::Tensor>& norm_weight, const at::Tensor& h,
+                            const at::Tensor& rstd, const at::Tensor& weights, double scale,
+                            const c10::List<bool>& output_mask,
+                            const std::optional<at::Tensor>& out_weight,
+                            const std::optional<at::Tensor>& out_rstd);
 
-using NormedForwardResult =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using NormedBackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
+// A host function with its first argument (the device's kernels) bound:
+// the op's kernel signature, registered as is, so a schema's arguments are
+// spelled once more only in the host function itself.
+template <auto host, const auto& kernels>
+struct BindKernels;
+template <class K, class R, class... A, R (*host)(const K&, A...), const K& kernels>
+struct BindKernels<host, kernels> {
+  static R call(A... args) { return host(kernels, args...); }
+};
 
-NormedForwardResult run_normed_forward(const DeviceKernels& kernels, at::TensorList sources,
-                                       const at::Tensor& query,
-                                       const std::optional<at::Tensor>& norm_weight,
-                                       const at::Tensor& out_weight, double eps, double scale,
-                                       double out_eps, bool keep_h);
-
-NormedBackwardResult run_normed_backward(
-    const DeviceKernels& kernels, const std::optional<at::Tensor>& grad_out,
-    const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
-    const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
-    const c10::List<bool>& output_mask);
-
-// Registers a device's kernels for the four ops under its dispatch key:
+// Registers a device's kernels for both ops under its dispatch key:
 //   TORCH_LIBRARY_IMPL(attnres, CPU, m) { register_device_kernels<kCpu>(m); }
 template <const DeviceKernels& kernels>
 void register_device_kernels(torch::Library& m) {
-  m.impl("depth_attention_fwd",
-         [](at::TensorList sources, const at::Tensor& query,
-            const std::optional<at::Tensor>& norm_weight, double eps,
-            double scale) {
-           return run_forward(kernels, sources, query, norm_weight, eps, scale);
-         });
-  m.impl("depth_attention_bwd",
-         [](const std::optional<at::Tensor>& grad_out,
-            const std::optional<at::Tensor>& grad_weights,
-            at::TensorList sources, const at::Tensor& query,
-            const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& out, const at::Tensor& rstd,
-            const at::Tensor& weights, double scale,
-            const c10::List<bool>& output_mask) {
-           return run_backward(kernels, grad_out, grad_weights, sources, query,
-                               norm_weight, out, rstd, weights, scale,
-                               output_mask);
-         });
-  m.impl("depth_attention_normed_fwd",
-         [](at::TensorList sources, const at::Tensor& query,
-            const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
-            double eps, double scale, double out_eps, bool keep_h) {
-           return run_normed_forward(kernels, sources, query, norm_weight, out_weight, eps,
-                                     scale, out_eps, keep_h);
-         });
-  m.impl("depth_attention_normed_bwd",
-         [](const std::optional<at::Tensor>& grad_out,
-            const std::optional<at::Tensor>& grad_weights, at::TensorList sources,
-            const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-            const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-            const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
-            const c10::List<bool>& output_mask) {
-           return run_normed_backward(kernels, grad_out, grad_weights, sources, query,
-                                      norm_weight, out_weight, h, rstd, weights, out_rstd,
-                                      scale, output_mask);
-         });
+  m.impl("depth_attention_fwd", &BindKernels<&run_forward, kernels>::call);
+  m.impl("depth_attention_bwd", &BindKernels<&run_backward, kernels>::call);
 }
 
 }  // namespace attnres

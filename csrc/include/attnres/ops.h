@@ -5,6 +5,10 @@
 //
 //   at::Tensor h = attnres::depth_attention(sources, query, gain);
 //   h.sum().backward();  // gradients reach sources, query and gain
+//
+// Optional parts are optional arguments: with out_weight the read returns
+// y = RMSNorm(h) * out_weight (the fused output norm, docs/design.md §11;
+// out_eps follows eps unless given).
 #pragma once
 
 #include <ATen/core/List.h>
@@ -19,82 +23,54 @@ namespace attnres {
 
 // h = sum_i softmax_i(scale * <query, RMSNorm(v_i) * norm_weight>) v_i over
 // the N sources (docs/design.md §1), differentiable with respect to the
-// sources, the query and the gain. h has the sources' shape and dtype.
+// sources, the query, the gain and out_weight. The result has the sources'
+// shape and dtype: h, or y = RMSNorm(h) * out_weight with out_weight ([D],
+// like the query).
 at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,
                            const std::optional<at::Tensor>& norm_weight = std::nullopt,
-                           double eps = 1e-6, double scale = 1.0);
+                           double eps = 1e-6, double scale = 1.0,
+                           const std::optional<at::Tensor>& out_weight = std::nullopt,
+                           std::optional<double> out_eps = std::nullopt);
 
-// h and the softmax weights [N, ...] (accumulation dtype: fp32, or fp64 for
-// fp64 sources); both are differentiable.
+// The read and the softmax weights [N, ...] (accumulation dtype: fp32, or
+// fp64 for fp64 sources); both are differentiable.
 std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
     at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight = std::nullopt,
-    double eps = 1e-6, double scale = 1.0);
+    const std::optional<at::Tensor>& norm_weight = std::nullopt, double eps = 1e-6,
+    double scale = 1.0, const std::optional<at::Tensor>& out_weight = std::nullopt,
+    std::optional<double> out_eps = std::nullopt);
 
-// The raw ops. Forward: h [..., D] in the sources' dtype; rstd and weights
-// [N, ...] in the accumulation dtype (rstd is not differentiable).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_attention_fwd(
+// The raw forward op: (out, rstd, weights, h, out_rstd). out is h, or y with
+// out_weight; rstd and weights [N, ...] in the accumulation dtype (rstd is
+// not differentiable). The output norm's statistics, as native_layer_norm
+// returns its own: h (the read before the norm, written only with keep_h)
+// and out_rstd [...] (the norm's rstd per token); both are empty tensors
+// without out_weight.
+using DepthAttentionForward =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+DepthAttentionForward depth_attention_fwd(
     at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, double eps, double scale);
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale,
+    const std::optional<at::Tensor>& out_weight = std::nullopt,
+    std::optional<double> out_eps = std::nullopt, bool keep_h = false);
 
-// Backward from the gradients of h and of the weights (either may be
-// absent), given the forward's three outputs out (h), rstd and weights. output_mask: N + 2 flags (each source, query, norm_weight); a
-// gradient not asked for is not computed. The first result holds the wanted
-// source gradients only, in source order; an unwanted query or gain
+// The raw backward op, from the gradients of out and of the weights (either
+// may be absent), given the forward's h (its out without out_weight), rstd
+// and weights, and with out_weight its out_rstd. output_mask: N + 2 flags
+// (each source, query, norm_weight), N + 3 with out_weight; a gradient not
+// asked for is not computed. The first result holds the wanted source
+// gradients only, in source order; an unwanted query, gain or out_weight
 // gradient is undefined. The gain gradient can be asked for even when
 // norm_weight is absent: it is then the gradient of an implicit all-ones
 // gain.
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
-depth_attention_bwd(const std::optional<at::Tensor>& grad_out,
-                    const std::optional<at::Tensor>& grad_weights,
-                    at::TensorList sources, const at::Tensor& query,
-                    const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& out, const at::Tensor& rstd,
-                    const at::Tensor& weights, double scale,
-                    const c10::List<bool>& output_mask);
-
-// Every gradient, from the gradient of h alone.
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor>
-depth_attention_bwd(const at::Tensor& grad_out, at::TensorList sources,
-                    const at::Tensor& query,
-                    const std::optional<at::Tensor>& norm_weight,
-                    const at::Tensor& out, const at::Tensor& rstd,
-                    const at::Tensor& weights, double scale);
-
-// The read with a fused output norm (docs/design.md §11):
-// y = RMSNorm(h) * out_weight (eps out_eps), differentiable with respect to
-// the sources, query, norm_weight and out_weight (out_weight: [D], like the
-// query). Use it in place of a read followed by the sublayer's own RMSNorm.
-at::Tensor depth_attention_normed(at::TensorList sources, const at::Tensor& query,
-                                  const std::optional<at::Tensor>& norm_weight,
-                                  const at::Tensor& out_weight, double eps = 1e-6,
-                                  double scale = 1.0, double out_eps = 1e-6);
-
-// y and the depth softmax weights [N, ...] (both differentiable).
-std::tuple<at::Tensor, at::Tensor> depth_attention_normed_with_weights(
-    at::TensorList sources, const at::Tensor& query,
-    const std::optional<at::Tensor>& norm_weight, const at::Tensor& out_weight,
-    double eps = 1e-6, double scale = 1.0, double out_eps = 1e-6);
-
-// The raw normed ops. Forward: (y, h, rstd, weights, out_rstd); h is the
-// read before the norm when keep_h (the backward's input), else empty;
-// out_rstd [...] (accumulation dtype) is the norm's rstd per token.
-using NormedForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-NormedForward depth_attention_normed_fwd(at::TensorList sources, const at::Tensor& query,
-                                         const std::optional<at::Tensor>& norm_weight,
-                                         const at::Tensor& out_weight, double eps,
-                                         double scale, double out_eps, bool keep_h);
-
-// Backward from the gradients of y and of the weights; output_mask: N + 3
-// flags (each source, query, norm_weight, out_weight). Results as
-// depth_attention_bwd's, plus the gradient of out_weight (undefined when
-// not wanted).
-using NormedBackward = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
-NormedBackward depth_attention_normed_bwd(
+using DepthAttentionBackward =
+    std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
+DepthAttentionBackward depth_attention_bwd(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
-    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
-    const at::Tensor& out_weight, const at::Tensor& h, const at::Tensor& rstd,
-    const at::Tensor& weights, const at::Tensor& out_rstd, double scale,
-    const c10::List<bool>& output_mask);
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, const at::Tensor& h, const at::Tensor& rstd,
+    const at::Tensor& weights, double scale, const c10::List<bool>& output_mask,
+    const std::optional<at::Tensor>& out_weight = std::nullopt,
+    const std::optional<at::Tensor>& out_rstd = std::nullopt);
 
 }  // namespace attnres

@@ -1,0 +1,129 @@
+// Pieces shared by the C++ autograd of the attnres ops (autograd.cpp for
+// depth_attention, block_reads.cpp for the two-phase Block reads) and by
+// the C++ API's calls through the dispatcher. Internal: not installed.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "attnres/block_reads.h"
+#include "attnres/ops.h"
+
+namespace attnres {
+
+// One registered op: its name, its C++ signature (the C++ API function's
+// type: the API spells each schema's arguments once) and its family's name
+// for messages.
+#define ATTNRES_OP(Type, fn, family)                              \
+  struct Type {                                                   \
+    static constexpr const char* name = "attnres::" #fn;          \
+    static constexpr const char* what = family;                   \
+    using Signature = decltype(::attnres::fn);                    \
+  }
+
+ATTNRES_OP(DepthAttentionFwdOp, depth_attention_fwd, "depth_attention");
+ATTNRES_OP(DepthAttentionBwdOp, depth_attention_bwd, "depth_attention");
+ATTNRES_OP(BlockReadsFwdOp, block_reads_fwd, "block_reads");
+ATTNRES_OP(BlockReadsBwdOp, block_reads_bwd, "block_reads");
+ATTNRES_OP(MergeFwdOp, block_read_merge_fwd, "block_read_merge");
+ATTNRES_OP(MergeBwdOp, block_read_merge_bwd, "block_read_merge");
+ATTNRES_OP(MergeInplaceOp, block_read_merge_inplace, "block_read_merge");
+#undef ATTNRES_OP
+
+// Calls an op through the dispatcher; the handle is looked up once per op.
+template <class Op, class... Args>
+auto call_op(Args&&... args) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow(Op::name, "")
+                             .template typed<typename Op::Signature>();
+  return op.call(std::forward<Args>(args)...);
+}
+
+namespace autograd_helpers {
+
+// Calls an op's kernel below the Autograd key (the dispatcher's next key).
+template <class Op, class... Args>
+auto call_below_autograd(Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return call_op<Op>(std::forward<Args>(args)...);
+}
+
+inline bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A backward op's own backward: second derivatives are not implemented and
+// must not silently come out as zero.
+[[noreturn]] inline void no_double_backward(const char* what) {
+  TORCH_CHECK(false, "attnres: second derivatives of ", what,
+              " are not implemented (double backward / create_graph=True through its "
+              "gradient)");
+}
+
+// The defined tensors of a backward op's result, in order: the gradients
+// its output_mask asked for (a wanted gradient is always defined).
+inline void append_defined(torch::autograd::variable_list& out, const at::Tensor& t) {
+  if (t.defined()) out.push_back(t);
+}
+inline void append_defined(torch::autograd::variable_list& out,
+                           const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) append_defined(out, t);
+}
+template <class Tuple>
+torch::autograd::variable_list defined_of(const Tuple& result) {
+  torch::autograd::variable_list out;
+  std::apply([&](const auto&... part) { (append_defined(out, part), ...); }, result);
+  return out;
+}
+
+// All of a backward's gradients (output_mask.size() of them, undefined where
+// not asked for) from the wanted ones, in order.
+inline torch::autograd::variable_list expand_masked(const torch::autograd::variable_list& wanted,
+                                                    const c10::List<bool>& output_mask) {
+  torch::autograd::variable_list all(output_mask.size());
+  size_t next = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (output_mask.get(i)) all[i] = wanted[next++];
+  }
+  return all;
+}
+
+// The node a backward op records: its forward runs the op and returns the
+// wanted gradients (autograd cannot attach history to an undefined tensor);
+// its backward refuses (first derivatives only).
+template <class Op>
+class BackwardNode : public torch::autograd::Function<BackwardNode<Op>> {
+ public:
+  template <class... Args>
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* /*ctx*/,
+                                                Args&&... args) {
+    return defined_of(call_below_autograd<Op>(std::forward<Args>(args)...));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    no_double_backward(Op::what);
+  }
+};
+
+// The wanted gradients of a backward op's call, back in its result's form:
+// the first n_list flags select the list part (when the result starts with
+// one), the others fill the tensor slots in order.
+inline std::vector<at::Tensor> take_front(const torch::autograd::variable_list& all,
+                                          size_t n) {
+  std::vector<at::Tensor> wanted;
+  for (size_t i = 0; i < n; ++i) {
+    if (all[i].defined()) wanted.push_back(all[i]);
+  }
+  return wanted;
+}
+
+}  // namespace autograd_helpers
+}  // namespace attnres

@@ -1,0 +1,213 @@
+// depth_attention_fwd/bwd: the host sequence of every device
+// (attnres/op_sequence.h) and the C++ API (attnres/ops.h).
+#include "attnres/op_sequence.h"
+#include "attnres/ops.h"
+#include "autograd/helpers.h"
+
+#include "attnres/gradient_cache.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+namespace attnres {
+
+// u = scale * query * gain in the accumulation dtype: the only form of query
+// and gain the kernels use.
+at::Tensor effective_query(const at::Tensor& query,
+                           const std::optional<at::Tensor>& norm_weight,
+                           double scale, at::ScalarType acc) {
+  at::Tensor u = query.to(acc).mul(scale);
+  if (norm_weight.has_value() && norm_weight->defined()) {
+    u.mul_(norm_weight->to(acc));
+  }
+  return u.contiguous();
+}
+
+// dquery = scale * gain * Z and dgain = scale * query * Z (docs/design.md
+// §2), in the parameters' dtypes (the gain gradient of an absent gain, the
+// gradient of an implicit all-ones gain, has the query's dtype).
+std::pair<at::Tensor, at::Tensor> parameter_grads(
+    const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale) {
+  const bool has_gain = norm_weight.has_value() && norm_weight->defined();
+  const auto acc = z.scalar_type();
+  // scale multiplies the parameter first: z * scale alone can overflow where
+  // the gradient itself does not (rows near the dtype's maximum), and a zero
+  // factor then gives exactly 0 instead of 0 * inf. scale = 0: the scores
+  // do not depend on query or gain, their gradients are exactly 0.
+  at::Tensor grad_query, grad_gain;
+  if (scale == 0.0) {
+    grad_query = at::zeros_like(z);
+    grad_gain = at::zeros_like(z);
+  } else {
+    grad_query = has_gain ? z.mul(norm_weight->to(acc).mul(scale)) : z.mul(scale);
+    grad_gain = z.mul(query.to(acc).mul(scale));
+  }
+  grad_query = grad_query.to(query.scalar_type());
+  grad_gain = grad_gain.to(has_gain ? norm_weight->scalar_type() : query.scalar_type());
+  return {grad_query, grad_gain};
+}
+
+bool is_defined(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined();
+}
+
+
+OutNormOutputs::OutNormOutputs(const std::optional<at::Tensor>& out_weight, double out_eps,
+                               bool keep_h, const at::Tensor& like, const DepthProblem& p) {
+  if (!is_defined(out_weight)) {
+    h = at::empty({0}, like.options());
+    rstd = at::empty({0}, like.options().dtype(acc_dtype_for(like.scalar_type())));
+    return;
+  }
+  const auto acc = acc_dtype_for(like.scalar_type());
+  weight_ = out_weight->to(acc).contiguous();
+  rstd = at::empty(p.lead_shape, like.options().dtype(acc));
+  // Not kept (inference): an empty h, and the kernel writes y alone.
+  const auto rows = like.options().memory_format(at::MemoryFormat::Contiguous);
+  h = keep_h ? detail::empty_cached(like.sizes(), rows) : at::empty({0}, like.options());
+  if (keep_h) kernel_h_ = h;
+  view_.emplace(OutNormForward{weight_, out_eps, rstd, kernel_h_});
+}
+
+OutNormGrads::OutNormGrads(const std::optional<at::Tensor>& out_weight,
+                           const std::optional<at::Tensor>& out_rstd, bool want_grad,
+                           int64_t D) {
+  if (!is_defined(out_weight)) return;
+  const auto acc = out_rstd->scalar_type();
+  dtype_ = out_weight->scalar_type();
+  weight_ = out_weight->to(acc).contiguous();
+  rstd_ = out_rstd->contiguous();
+  if (want_grad) grad_ = at::zeros({D}, out_weight->options().dtype(acc));
+  view_.emplace(OutNormBackward{weight_, rstd_, grad_});
+}
+
+at::Tensor OutNormGrads::grad() const {
+  return grad_.defined() ? grad_.to(dtype_) : at::Tensor();
+}
+
+ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
+                          const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+                          double eps, double scale, const std::optional<at::Tensor>& out_weight,
+                          std::optional<double> out_eps, bool keep_h) {
+  const DepthProblem p = check_forward_args(sources, query, norm_weight, eps, scale);
+  const double norm_eps = resolve_out_eps(out_eps, eps);
+  if (is_defined(out_weight)) check_out_norm_args(*out_weight, norm_eps, sources, p);
+  if (kernels.check_supported) kernels.check_supported(p);
+  const at::Tensor& src0 = sources[0];
+  const c10::DeviceGuard guard(src0.device());
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  OutNormOutputs norm(out_weight, norm_eps, keep_h, src0, p);
+  at::Tensor out = detail::empty_cached(src0.sizes(), src0.options());
+  at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
+  at::Tensor weights = at::empty(p.stat_shape(), src0.options().dtype(acc));
+  if (p.T > 0) {
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    ForwardCall call{p, sources, u, eps, out, rstd, weights};
+    call.out_norm = norm.kernel();
+    kernels.forward(call);
+  }
+  return {out, rstd, weights, norm.h, norm.rstd};
+}
+
+BackwardResult run_backward(const DeviceKernels& kernels,
+                            const std::optional<at::Tensor>& grad_out,
+                            const std::optional<at::Tensor>& grad_weights,
+                            at::TensorList sources, const at::Tensor& query,
+                            const std::optional<at::Tensor>& norm_weight, const at::Tensor& h,
+                            const at::Tensor& rstd, const at::Tensor& weights, double scale,
+                            const c10::List<bool>& output_mask,
+                            const std::optional<at::Tensor>& out_weight,
+                            const std::optional<at::Tensor>& out_rstd) {
+  const DepthProblem p = check_backward_args(grad_out, grad_weights, sources, query, norm_weight,
+                                             h, rstd, weights, scale, output_mask, out_weight,
+                                             out_rstd);
+  if (kernels.check_supported) kernels.check_supported(p);
+  const at::Tensor& src0 = sources[0];
+  const c10::DeviceGuard guard(src0.device());
+  const auto acc = acc_dtype_for(src0.scalar_type());
+  std::vector<at::Tensor> grads(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (output_mask.get(i)) grads[i] = detail::empty_cached(src0.sizes(), src0.options());
+  }
+  const bool want_query = output_mask.get(p.N);
+  const bool want_gain = output_mask.get(p.N + 1);
+  const bool want_out_weight = is_defined(out_weight) && output_mask.get(p.N + 2);
+  const OutNormGrads norm(out_weight, out_rstd, want_out_weight, p.D);
+  at::Tensor z;
+  if (want_query || want_gain) z = at::empty({p.D}, query.options().dtype(acc));
+  if (p.T == 0) {
+    if (z.defined()) z.zero_();
+  } else {
+    const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    // An absent gradient of the read contributes nothing: zeros keep the
+    // kernels to one form (this path is rare: a loss on the weights alone).
+    const at::Tensor dh = is_defined(grad_out) ? *grad_out : at::zeros_like(src0);
+    const at::Tensor gw = is_defined(grad_weights) ? grad_weights->contiguous() : at::Tensor();
+    const at::Tensor rstd_c = rstd.contiguous();
+    const at::Tensor weights_c = weights.contiguous();
+    BackwardCall call{p, dh, gw, sources, u, h, rstd_c, weights_c, grads, z};
+    call.out_norm = norm.kernel();
+    kernels.backward(call);
+  }
+  auto [wanted, grad_query, grad_gain] =
+      finish_backward(grads, z, query, norm_weight, scale, want_query, want_gain);
+  return {std::move(wanted), grad_query, grad_gain, norm.grad()};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> finish_backward(
+    std::vector<at::Tensor>& grads, const at::Tensor& z, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double scale, bool want_query, bool want_gain) {
+  at::Tensor grad_query, grad_gain;
+  if (z.defined()) {
+    std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
+  }
+  if (!want_query) grad_query = at::Tensor();
+  if (!want_gain) grad_gain = at::Tensor();
+  std::vector<at::Tensor> wanted;
+  for (auto& g : grads) {
+    if (g.defined()) wanted.push_back(std::move(g));
+  }
+  return {wanted, grad_query, grad_gain};
+}
+
+}  // namespace attnres
+
+namespace attnres {
+
+DepthAttentionForward depth_attention_fwd(at::TensorList sources, const at::Tensor& query,
+                                          const std::optional<at::Tensor>& norm_weight,
+                                          double eps, double scale,
+                                          const std::optional<at::Tensor>& out_weight,
+                                          std::optional<double> out_eps, bool keep_h) {
+  return call_op<DepthAttentionFwdOp>(sources, query, norm_weight, eps, scale, out_weight,
+                                      out_eps, keep_h);
+}
+
+DepthAttentionBackward depth_attention_bwd(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_weights,
+    at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights, double scale,
+    const c10::List<bool>& output_mask, const std::optional<at::Tensor>& out_weight,
+    const std::optional<at::Tensor>& out_rstd) {
+  return call_op<DepthAttentionBwdOp>(grad_out, grad_weights, sources, query, norm_weight, h,
+                                      rstd, weights, scale, output_mask, out_weight, out_rstd);
+}
+
+at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,
+                           const std::optional<at::Tensor>& norm_weight, double eps,
+                           double scale, const std::optional<at::Tensor>& out_weight,
+                           std::optional<double> out_eps) {
+  return std::get<0>(
+      depth_attention_fwd(sources, query, norm_weight, eps, scale, out_weight, out_eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
+    at::TensorList sources, const at::Tensor& query,
+    const std::optional<at::Tensor>& norm_weight, double eps, double scale,
+    const std::optional<at::Tensor>& out_weight, std::optional<double> out_eps) {
+  auto result = depth_attention_fwd(sources, query, norm_weight, eps, scale, out_weight, out_eps);
+  return {std::get<0>(result), std::get<2>(result)};
+}
+
+}  // namespace attnres
