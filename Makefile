@@ -7,7 +7,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
 BUILD := build-cmake
-BUILD_INPUTS := $(shell find csrc tests/cpp -path tests/cpp/aoti -prune -o -type f -print) \
+BUILD_INPUTS := $(shell find csrc cmake tests/cpp -path tests/cpp/aoti -prune -o -type f -print) \
   setup.py CMakeLists.txt pyproject.toml \
   python/attnres/_version.py
 

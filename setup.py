@@ -112,5 +112,6 @@ def _torch_requirement():
 setup(
     ext_modules=[Extension("attnres._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=[_torch_requirement()],
+    # numpy: `import torch` warns "Failed to initialize NumPy" without it.
+    install_requires=[_torch_requirement(), "numpy"],
 )

@@ -494,7 +494,7 @@ class _PythonAutogradDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, gain, *sources):
         with torch._C._AutoDispatchBelowAutograd():
-            h, rstd, weights = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
+            h, rstd, weights, _, _ = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
         ctx.save_for_backward(*sources, query, gain, h, rstd, weights)
         return h
 
@@ -502,7 +502,7 @@ class _PythonAutogradDepthAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         *sources, query, gain, h, rstd, weights = ctx.saved_tensors
         with torch._C._AutoDispatchBelowAutograd():
-            grads, grad_query, grad_gain = torch.ops.attnres.depth_attention_bwd(
+            grads, grad_query, grad_gain, _ = torch.ops.attnres.depth_attention_bwd(
                 grad_out, None, sources, query, gain, h, rstd, weights, 1.0,
                 [True] * (len(sources) + 2))
         return (grad_query, grad_gain, *grads)

@@ -8,8 +8,9 @@
 #   2. peers' warm-up in the background on the idle GPU while 3 builds
 #      (Triton compiles + FLA's autotuning, cached on disk by Triton);
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
-#      kernels; a short CUDA-vs-CPU smoke check (plain and normed ops, the
-#      two-phase Block reads' forward and backward);
+#      kernels; a short CUDA-vs-CPU smoke check (the ops without and with
+#      out_weight, the fused output norm; the two-phase Block reads'
+#      forward and backward);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
@@ -195,27 +196,27 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         outs = []
         for dev in ("cpu", DEV):
             f = torch.ops.attnres.depth_attention_fwd([s.to(dev) for s in src], q.to(dev), w.to(dev), 1e-6, 0.8)
-            b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [s.to(dev) for s in src], q.to(dev), w.to(dev), *f, 0.8, [True] * (n + 2))
+            b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [s.to(dev) for s in src], q.to(dev), w.to(dev), f[0], f[1], f[2], 0.8, [True] * (n + 2))
             outs.append([f[0], f[2], *b[0], b[1], b[2]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"max rel err {max(errs):.2g}")
-        # The fused output norm (depth_attention_normed_*): y, h, out_rstd and
+        # The fused output norm (depth_attention_* with out_weight): y, h, out_rstd and
         # every gradient (out_weight's too), CUDA vs CPU, gradient tolerance.
         ow = (1 + 0.2 * torch.randn(d, generator=g)).to(pd)
         outs = []
         for dev in ("cpu", DEV):
             s_, q_, w_, ow_ = [s.to(dev) for s in src], q.to(dev), w.to(dev), ow.to(dev)
-            y, h, r, a, ro = torch.ops.attnres.depth_attention_normed_fwd(s_, q_, w_, ow_, 1e-6, 0.8, 1e-5, True)
-            b = torch.ops.attnres.depth_attention_normed_bwd(dh.to(dev), None, s_, q_, w_, ow_, h, r, a, ro, 0.8, [True] * (n + 3))
+            y, r, a, h, ro = torch.ops.attnres.depth_attention_fwd(s_, q_, w_, 1e-6, 0.8, ow_, 1e-5, True)
+            b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, s_, q_, w_, h, r, a, 0.8, [True] * (n + 3), ow_, ro)
             outs.append([y, h, ro, *b[0], b[1], b[2], b[3]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= 2 * tol
         bad += not ok
-        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"normed: max rel err {max(errs):.2g}")
+        print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"out_weight: max rel err {max(errs):.2g}")
         # The two-phase Block reads' forward (docs/design.md §10): phase 1 of
-        # 3 readers (reader 0 normed), then reader 1's and 2's merges with a
+        # 3 readers (reader 0 with out_weight), then reader 1's and 2's merges with a
         # block sum (out of place, in place), CUDA vs CPU, under no_grad.
         outs = []
         for dev in ("cpu", DEV):
@@ -230,7 +231,7 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         ok = max(errs) <= 2 * tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"block reads: max rel err {max(errs):.2g}")
-        # Phase 2's backward (block_read_merge_bwd and its normed form):
+        # Phase 2's backward (block_read_merge_bwd without and with out_weight):
         # every gradient, CUDA vs CPU, gradient tolerance.
         outs = []
         for dev in ("cpu", DEV):
@@ -238,18 +239,18 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
             qs = torch.stack([q, 0.5 * q]).to(dev)
             with torch.no_grad():
                 parts, lse = attnres.block_reads(s_, qs, None, eps=1e-6)
-            y, r, a = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8)
+            y, r, a, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8)
             b = torch.ops.attnres.block_read_merge_bwd(dh.to(dev), parts[1], s_[0], qs[1], None, r, a, 0.8, [True] * 5)
-            yn, hn, rn, an, ron = torch.ops.attnres.block_read_merge_normed_fwd(
-                parts[1], lse[1], s_[0], qs[1], None, ow.to(dev), 1e-6, 0.8, 1e-5, True)
-            bn = torch.ops.attnres.block_read_merge_normed_bwd(
-                dh.to(dev), parts[1], s_[0], qs[1], None, ow.to(dev), hn, rn, an, ron, 0.8, [True] * 6)
+            yn, rn, an, hn, ron = torch.ops.attnres.block_read_merge_fwd(
+                parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8, ow.to(dev), 1e-5, True)
+            bn = torch.ops.attnres.block_read_merge_bwd(
+                dh.to(dev), parts[1], s_[0], qs[1], None, rn, an, 0.8, [True] * 6, ow.to(dev), hn, ron)
             outs.append([b[0], b[1], b[2], b[3], *bn[:4], bn[5]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= 2 * tol
         bad += not ok
         print(("ok  " if ok else "FAIL"), dtype, n, t, d, f"merge backward: max rel err {max(errs):.2g}")
-        # Phase 1's backward (block_reads_bwd and its normed form, the lse's
+        # Phase 1's backward (block_reads_bwd without and with out_weight, the lse's
         # gradient included): every gradient, CUDA vs CPU.
         outs = []
         for dev in ("cpu", DEV):
@@ -257,10 +258,10 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
             qs = torch.stack([q, 0.5 * q, -q]).to(dev)
             gl = torch.linspace(-1, 1, 3 * t, device=dev).reshape(3, t)
             gp = [dh.to(dev), (0.5 * dh).to(dev), (-dh).to(dev)]
-            _, lse, r, a = torch.ops.attnres.block_reads_fwd(s_, qs, None, 1e-6, 0.8)
+            _, lse, r, a, _, _ = torch.ops.attnres.block_reads_fwd(s_, qs, None, 1e-6, 0.8)
             b = torch.ops.attnres.block_reads_bwd(gp, gl.to(lse.dtype), s_, qs, None, r, a, 0.8, [True] * (n + 2))
-            _, lse, r, a, hn, ron = torch.ops.attnres.block_reads_normed_fwd(s_, qs, None, ow.to(dev), 1e-6, 0.8, 1e-5, True)
-            bn = torch.ops.attnres.block_reads_normed_bwd(gp, gl.to(lse.dtype), s_, qs, None, ow.to(dev), hn, r, a, ron, 0.8, [True] * (n + 3))
+            _, lse, r, a, hn, ron = torch.ops.attnres.block_reads_fwd(s_, qs, None, 1e-6, 0.8, ow.to(dev), 1e-5, True)
+            bn = torch.ops.attnres.block_reads_bwd(gp, gl.to(lse.dtype), s_, qs, None, r, a, 0.8, [True] * (n + 3), ow.to(dev), hn, ron)
             outs.append([*b[0], b[1], *bn[0], bn[1], bn[3]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= 2 * tol
@@ -574,32 +575,33 @@ for dtype, n, t, d, layout in cases:
     # weight's gradient wanted or not).
     ow = (1 + 0.1 * torch.randn(d, generator=g)).to(pd).to(dev)
     x = [s.detach() for s in srcs]
-    y, hk, r, a, ro = torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, True)
-    torch.ops.attnres.depth_attention_normed_fwd(x, q.detach(), w.detach(), ow, 1e-6, 1.0, 1e-5, False)
+    y, r, a, hk, ro = torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, ow, 1e-5, True)
+    torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, ow, 1e-5, False)
     for want_ow in (True, False):
-        torch.ops.attnres.depth_attention_normed_bwd(y, None, x, q.detach(), w.detach(), ow, hk, r, a, ro, 1.0, [True] * (n + 2) + [want_ow])
+        torch.ops.attnres.depth_attention_bwd(y, None, x, q.detach(), w.detach(), hk, r, a, 1.0, [True] * (n + 2) + [want_ow], ow, ro)
     # The two-phase Block reads' kernels: phase 1 of 3 readers
-    # (reader 0 normed, h kept), phase 2 out of place and in place (normed).
+    # (reader 0 with out_weight, h kept), phase 2 out of place (with
+    # out_weight) and in place.
     qs = torch.stack([q.detach(), 0.5 * q.detach(), -q.detach()])
     with torch.no_grad():
-        torch.ops.attnres.block_reads_normed_fwd(x, qs, None, ow, 1e-6, 1.0, 1e-5, True)
+        torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0, ow, 1e-5, True)
         parts, lse = attnres.block_reads(x, qs, None)
         attnres.block_read_merge(parts[1], lse[1], x[0], qs[1], out_weight=ow)
         block_read_merge_inplace(parts[2], lse[2], x[0], qs[2])
-    # Phase 1's backward, plain and normed, with the lse's gradient.
-    _, lse1, r1, a1 = torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0)
+    # Phase 1's backward, without and with out_weight, with the lse's gradient.
+    _, lse1, r1, a1, _, _ = torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0)
     gl1 = torch.ones_like(lse1)
     torch.ops.attnres.block_reads_bwd([x[0]] * 3, gl1, x, qs, None, r1, a1, 1.0, [True] * (n + 2))
-    _, lse1, r1, a1, h1, ro1 = torch.ops.attnres.block_reads_normed_fwd(x, qs, None, ow, 1e-6, 1.0, 1e-5, True)
-    torch.ops.attnres.block_reads_normed_bwd([x[0]] * 3, gl1, x, qs, None, ow, h1, r1, a1, ro1, 1.0, [True] * (n + 3))
-    # Phase 2's backward, plain and normed (out_weight's gradient wanted or not).
-    y2, r2, a2 = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
+    _, lse1, r1, a1, h1, ro1 = torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0, ow, 1e-5, True)
+    torch.ops.attnres.block_reads_bwd([x[0]] * 3, gl1, x, qs, None, r1, a1, 1.0, [True] * (n + 3), ow, h1, ro1)
+    # Phase 2's backward, without and with out_weight (its gradient wanted or not).
+    y2, r2, a2, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
     torch.ops.attnres.block_read_merge_bwd(y2, parts[1], x[0], qs[1], None, r2, a2, 1.0, [True] * 5)
-    yn, hn, rn, an, ron = torch.ops.attnres.block_read_merge_normed_fwd(
-        parts[1], lse[1], x[0], qs[1], None, ow, 1e-6, 1.0, 1e-5, True)
+    yn, rn, an, hn, ron = torch.ops.attnres.block_read_merge_fwd(
+        parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0, ow, 1e-5, True)
     for want_ow in (True, False):
-        torch.ops.attnres.block_read_merge_normed_bwd(
-            yn, parts[1], x[0], qs[1], None, ow, hn, rn, an, ron, 1.0, [True] * 5 + [want_ow])
+        torch.ops.attnres.block_read_merge_bwd(
+            yn, parts[1], x[0], qs[1], None, rn, an, 1.0, [True] * 5 + [want_ow], ow, hn, ron)
     if dev == "cuda":
         torch.cuda.synchronize()
     print("ran", dtype, n, t, d, layout, flush=True)

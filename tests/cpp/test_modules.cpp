@@ -848,7 +848,7 @@ TEST(TwoPhaseBlockReads, CudaMergeBackwardMatchesTheCpu) {
         in.push_back(t.to(device, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true));
       }
       const at::Tensor out =
-          normed ? attnres::block_read_merge_normed(in[0], in[1], in[2], in[3], in[4], in[5])
+          normed ? attnres::block_read_merge(in[0], in[1], in[2], in[3], in[4], 1e-6, 1.0, in[5])
                  : attnres::block_read_merge(in[0], in[1], in[2], in[3], in[4]);
       if (!normed) in.pop_back();
       return torch::autograd::grad({out}, in, {grad.to(device)});
@@ -909,7 +909,7 @@ TEST(OutNorm, NormedReadAndItsGradientsMatchAtenMath) {
     inputs.push_back(out_weight);
 
     const at::Tensor y =
-        attnres::depth_attention_normed(sources, query, g, out_weight, 1e-6, 0.8, 1e-5);
+        attnres::depth_attention(sources, query, g, 1e-6, 0.8, out_weight, 1e-5);
     const Tensors grads = torch::autograd::grad({y}, inputs, {grad_out});
     const at::Tensor h_ref = composite(sources, query, g, 1e-6, 0.8).first;
     const at::Tensor y_ref = at::rms_norm(h_ref, {D}, out_weight, 1e-5);
@@ -930,31 +930,41 @@ TEST(OutNorm, RawOpsKeepHOnlyWhenAskedAndComputeOnlyTheMaskedGradients) {
   for (int i = 0; i < 3; ++i) sources.push_back(at::randn({4, D}, at::kDouble));
   const at::Tensor query = at::randn({D}, at::kDouble);
   const at::Tensor w = at::rand({D}, at::kDouble) + 0.5;
-  const auto [y, h, rstd, weights, out_rstd] =
-      attnres::depth_attention_normed_fwd(sources, query, std::nullopt, w, 1e-6, 1.0, 1e-6, true);
-  const auto [y2, no_h, rstd2, weights2, out_rstd2] =
-      attnres::depth_attention_normed_fwd(sources, query, std::nullopt, w, 1e-6, 1.0, 1e-6, false);
+  const auto [y, rstd, weights, h, out_rstd] =
+      attnres::depth_attention_fwd(sources, query, std::nullopt, 1e-6, 1.0, w, 1e-6, true);
+  const auto [y2, rstd2, weights2, no_h, out_rstd2] =
+      attnres::depth_attention_fwd(sources, query, std::nullopt, 1e-6, 1.0, w, 1e-6, false);
   EXPECT_EQ(no_h.numel(), 0);
   EXPECT_TRUE(at::equal(y, y2));
   EXPECT_TRUE(at::equal(h, attnres::depth_attention(sources, query, std::nullopt, 1e-6, 1.0)));
   EXPECT_EQ(out_rstd.sizes(), at::IntArrayRef({4}));
+  // out_eps follows eps when absent (an eps large enough to show in y).
+  const auto follows =
+      attnres::depth_attention_fwd(sources, query, std::nullopt, 0.5, 1.0, w, std::nullopt, false);
+  const auto same =
+      attnres::depth_attention_fwd(sources, query, std::nullopt, 0.5, 1.0, w, 0.5, false);
+  const auto other =
+      attnres::depth_attention_fwd(sources, query, std::nullopt, 0.5, 1.0, w, 1e-6, false);
+  EXPECT_TRUE(at::equal(std::get<0>(follows), std::get<0>(same)));
+  EXPECT_TRUE(at::equal(std::get<4>(follows), std::get<4>(same)));
+  EXPECT_FALSE(at::allclose(std::get<0>(follows), std::get<0>(other)));
   const at::Tensor dy = at::randn({4, D}, at::kDouble);
   c10::List<bool> all({true, true, true, true, true, true});
   c10::List<bool> only_w({false, false, false, false, false, true});
-  const auto every = attnres::depth_attention_normed_bwd(dy, std::nullopt, sources, query,
-                                                         std::nullopt, w, h, rstd, weights,
-                                                         out_rstd, 1.0, all);
-  const auto some = attnres::depth_attention_normed_bwd(dy, std::nullopt, sources, query,
-                                                        std::nullopt, w, h, rstd, weights,
-                                                        out_rstd, 1.0, only_w);
+  const auto every = attnres::depth_attention_bwd(dy, std::nullopt, sources, query,
+                                                  std::nullopt, h, rstd, weights, 1.0, all, w,
+                                                  out_rstd);
+  const auto some = attnres::depth_attention_bwd(dy, std::nullopt, sources, query,
+                                                 std::nullopt, h, rstd, weights, 1.0, only_w, w,
+                                                 out_rstd);
   EXPECT_EQ(std::get<0>(every).size(), 3u);
   EXPECT_TRUE(std::get<0>(some).empty());
   EXPECT_FALSE(std::get<1>(some).defined());
   EXPECT_TRUE(at::equal(std::get<3>(some), std::get<3>(every)));
   expect_error<c10::ValueError>(
       [&] {
-        attnres::depth_attention_normed_fwd(sources, query, std::nullopt, at::ones({D + 1},
-                                            at::kDouble), 1e-6, 1.0, 1e-6, false);
+        attnres::depth_attention_fwd(sources, query, std::nullopt, 1e-6, 1.0,
+                                     at::ones({D + 1}, at::kDouble), 1e-6, false);
       },
       "out_weight must have shape [D]");
 }
@@ -1050,7 +1060,7 @@ TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
   const Tensors got_grads = torch::autograd::grad({got}, inputs);
   ASSERT_EQ(fns.size(), 8u);
   for (size_t i = 0; i < fns.size(); ++i) {
-    EXPECT_THAT(fns[i], HasSubstr(i % S == 0 ? "BlockReadsNormedFunction" : "MergeNormedFunction"))
+    EXPECT_THAT(fns[i], HasSubstr(i % S == 0 ? "BlockReadsFunction" : "MergeFunction"))
         << "read " << i;
   }
   expect_close(got, want, kOutputTol, "loss");
@@ -1062,16 +1072,17 @@ TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
     expect_close(run(attnres::BlockReads::kTwoPhase, nullptr),
                  run(attnres::BlockReads::kOneCall, nullptr), kOutputTol, "inference loss");
   }
-  // The in-place normed merge refuses inputs that want a gradient.
+  // The in-place merge with out_weight refuses inputs that want a gradient
+  // (here out_weight itself).
   const Tensors completed = leaves(2, {3, D});
   auto [partials, lse] = attnres::block_reads(completed, at::randn({2, D}, at::kDouble));
   expect_error<c10::Error>(
       [&] {
-        attnres::block_read_merge_normed_inplace(
+        attnres::block_read_merge_inplace(
             partials[1].detach().clone(), lse[1].detach(), completed[0].detach(),
-            at::zeros({D}, at::kDouble), std::nullopt, readers[0]->out_weight);
+            at::zeros({D}, at::kDouble), std::nullopt, 1e-6, 1.0, readers[0]->out_weight);
       },
-      "block_read_merge_normed_inplace has no derivative");
+      "attnres::block_read_merge_inplace has no derivative");
 }
 
 // The CPU gradient cache (attnres/gradient_cache.h) from C++: freed source

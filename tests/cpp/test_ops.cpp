@@ -261,6 +261,19 @@ std::string dtype_name(at::ScalarType dtype) {
   }
 }
 
+// Every gradient (sources, query, gain) from the gradient of h alone, without
+// an output norm: depth_attention_bwd with N + 2 true flags.
+attnres::DepthAttentionBackward backward_all(const at::Tensor& grad_out, const Tensors& sources,
+                                             const at::Tensor& query,
+                                             const std::optional<at::Tensor>& gain,
+                                             const at::Tensor& h, const at::Tensor& rstd,
+                                             const at::Tensor& weights, double scale) {
+  c10::List<bool> every_gradient;
+  for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
+  return attnres::depth_attention_bwd(grad_out, std::nullopt, sources, query, gain, h, rstd,
+                                      weights, scale, every_gradient);
+}
+
 // c10::Error's message without the C++ backtrace.
 template <typename Exception, typename Fn>
 void expect_error(Fn&& fn, const std::string& needle) {
@@ -329,47 +342,57 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   const Tensors sources = random_sources(4, {3, 6, 11}, at::kFloat);
   const at::Tensor query = random_tensor({11}, at::kFloat, 0.3);
   const at::Tensor gain = random_tensor({11}, at::kFloat);
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
+  // Without out_weight the output norm's statistics are empty tensors.
+  EXPECT_EQ(h_kept.sizes(), at::IntArrayRef({0}));
+  EXPECT_EQ(h_out_rstd.sizes(), at::IntArrayRef({0}));
 
   auto fwd = c10::Dispatcher::singleton()
                  .findSchemaOrThrow("attnres::depth_attention_fwd", "")
-                 .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                 .typed<attnres::DepthAttentionForward(
                      at::TensorList, const at::Tensor&,
-                     const std::optional<at::Tensor>&, double, double)>();
-  const auto [h_typed, rstd_typed, weights_typed] =
-      fwd.call(sources, query, gain, kEps, kScale);
+                     const std::optional<at::Tensor>&, double, double,
+                     const std::optional<at::Tensor>&, std::optional<double>, bool)>();
+  const auto [h_typed, rstd_typed, weights_typed, h_typed_kept, h_typed_out_rstd] =
+      fwd.call(sources, query, gain, kEps, kScale, std::nullopt, std::nullopt, false);
   EXPECT_TRUE(at::equal(h, h_typed));
   EXPECT_TRUE(at::equal(rstd, rstd_typed));
   EXPECT_TRUE(at::equal(weights, weights_typed));
+  EXPECT_EQ(h_typed_kept.sizes(), at::IntArrayRef({0}));
+  EXPECT_EQ(h_typed_out_rstd.sizes(), at::IntArrayRef({0}));
 
-  // The boxed path parses Tensor[] and Tensor? from IValues.
+  // The boxed path parses Tensor[], Tensor? and float? from IValues.
   torch::jit::Stack stack{c10::IValue(c10::List<at::Tensor>(sources)),
-                          query, c10::IValue(), kEps, kScale};
+                          query, c10::IValue(), kEps, kScale,
+                          c10::IValue(), c10::IValue(), false};
   c10::Dispatcher::singleton()
       .findSchemaOrThrow("attnres::depth_attention_fwd", "")
       .callBoxed(&stack);
-  ASSERT_EQ(stack.size(), 3u);
-  const auto [h_nogain, rstd_nogain, weights_nogain] =
+  ASSERT_EQ(stack.size(), 5u);
+  const auto [h_nogain, rstd_nogain, weights_nogain, h_nogain_kept, h_nogain_out_rstd] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, kEps, kScale);
   EXPECT_TRUE(at::equal(stack[0].toTensor(), h_nogain));
   EXPECT_TRUE(at::equal(stack[2].toTensor(), weights_nogain));
+  EXPECT_EQ(stack[3].toTensor().sizes(), at::IntArrayRef({0}));
+  EXPECT_EQ(stack[4].toTensor().sizes(), at::IntArrayRef({0}));
 
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
   auto bwd = c10::Dispatcher::singleton()
                  .findSchemaOrThrow("attnres::depth_attention_bwd", "")
-                 .typed<std::tuple<Tensors, at::Tensor, at::Tensor>(
+                 .typed<attnres::DepthAttentionBackward(
                      const std::optional<at::Tensor>&,
                      const std::optional<at::Tensor>&, at::TensorList,
                      const at::Tensor&, const std::optional<at::Tensor>&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     double, const c10::List<bool>&)>();
+                     double, const c10::List<bool>&, const std::optional<at::Tensor>&,
+                     const std::optional<at::Tensor>&)>();
   c10::List<bool> every_gradient;
   for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
-  const auto [gs_typed, gq_typed, gg_typed] =
+  const auto [gs_typed, gq_typed, gg_typed, gw_typed] =
       bwd.call(grad_out, std::nullopt, sources, query, gain, h, rstd, weights,
-               kScale, every_gradient);
-  const auto [gs, gq, gg] = attnres::depth_attention_bwd(
+               kScale, every_gradient, std::nullopt, std::nullopt);
+  const auto [gs, gq, gg, gw] = backward_all(
       grad_out, sources, query, gain, h, rstd, weights, kScale);
   ASSERT_EQ(gs_typed.size(), sources.size());
   for (size_t i = 0; i < gs.size(); ++i) {
@@ -377,6 +400,39 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   }
   EXPECT_TRUE(at::equal(gq, gq_typed));
   EXPECT_TRUE(at::equal(gg, gg_typed));
+  // No out_weight: no out_weight gradient.
+  EXPECT_FALSE(gw.defined());
+  EXPECT_FALSE(gw_typed.defined());
+
+  // With out_weight: the typed call and the C++ API agree, and out_eps
+  // follows eps when absent.
+  const at::Tensor out_weight = random_tensor({11}, at::kFloat) + 1.0;
+  const auto [y, rstd_n, weights_n, h_n, out_rstd_n] = attnres::depth_attention_fwd(
+      sources, query, gain, kEps, kScale, out_weight, std::nullopt, /*keep_h=*/true);
+  const auto [y_typed, rstd_nt, weights_nt, h_nt, out_rstd_nt] =
+      fwd.call(sources, query, gain, kEps, kScale, out_weight, kEps, true);
+  EXPECT_TRUE(at::equal(y, y_typed));
+  EXPECT_TRUE(at::equal(h_n, h_nt));
+  EXPECT_TRUE(at::equal(out_rstd_n, out_rstd_nt));
+  EXPECT_TRUE(at::equal(h_n, h));
+  EXPECT_EQ(out_rstd_n.sizes(), at::IntArrayRef({3, 6}));
+  c10::List<bool> every_normed_gradient = every_gradient.copy();
+  every_normed_gradient.push_back(true);
+  const auto [gs_n, gq_n, gg_n, gw_n] =
+      attnres::depth_attention_bwd(grad_out, std::nullopt, sources, query, gain, h_n, rstd_n,
+                                   weights_n, kScale, every_normed_gradient, out_weight,
+                                   out_rstd_n);
+  const auto [gs_nt, gq_nt, gg_nt, gw_nt] =
+      bwd.call(grad_out, std::nullopt, sources, query, gain, h_nt, rstd_nt, weights_nt, kScale,
+               every_normed_gradient, out_weight, out_rstd_nt);
+  ASSERT_EQ(gs_nt.size(), sources.size());
+  for (size_t i = 0; i < gs_n.size(); ++i) {
+    EXPECT_TRUE(at::equal(gs_n[i], gs_nt[i])) << "source " << i;
+  }
+  EXPECT_TRUE(at::equal(gq_n, gq_nt));
+  EXPECT_TRUE(at::equal(gg_n, gg_nt));
+  ASSERT_TRUE(gw_n.defined());
+  EXPECT_TRUE(at::equal(gw_n, gw_nt));
 }
 
 // ---- known answers ----------------------------------------------------------
@@ -394,7 +450,7 @@ TEST(KnownAnswer, WorkedExampleFromTheDesign) {
        {std::optional<at::Tensor>(at::ones({3}, opts)),
         std::optional<at::Tensor>()}) {
     SCOPED_TRACE(gain ? "gain of ones" : "no gain");
-    const auto [h, rstd, weights] = attnres::depth_attention_fwd(
+    const auto [h, rstd, weights, h_kept, h_out_rstd] = attnres::depth_attention_fwd(
         sources, at::tensor({0.0, w, 0.0}, opts), gain, /*eps=*/0.0, 1.0);
     expect_close(h, at::tensor({0.5, 2.0, 1.5}, opts), tol.output, "h");
     expect_close(weights, at::tensor({0.25, 0.5, 0.25}, opts), tol.stats,
@@ -405,7 +461,7 @@ TEST(KnownAnswer, WorkedExampleFromTheDesign) {
     expect_close(rstd, expected_rstd, tol.stats, "rstd");
 
     // Weights [1/2, 1/4, 1/4] (score ln2 on e) give [1, 1, 1.5].
-    const auto [h2, rstd2, weights2] = attnres::depth_attention_fwd(
+    const auto [h2, rstd2, weights2, h2_kept, h2_out_rstd] = attnres::depth_attention_fwd(
         sources, at::tensor({w, 0.0, 0.0}, opts), gain, 0.0, 1.0);
     expect_close(h2, at::tensor({1.0, 1.0, 1.5}, opts), tol.output,
                  "h with the query on e");
@@ -416,7 +472,7 @@ TEST(KnownAnswer, ZeroQueryIsTheMeanOfTheSources) {
   at::manual_seed(2);
   const Tensors sources = random_sources(5, {2, 3, 9}, at::kDouble);
   const at::Tensor gain = random_tensor({9}, at::kDouble);
-  const auto [h, rstd, weights] = attnres::depth_attention_fwd(
+  const auto [h, rstd, weights, h_kept, h_out_rstd] = attnres::depth_attention_fwd(
       sources, at::zeros({9}, at::kDouble), gain, kEps, kScale);
   const Tolerances& tol = tolerances(at::kDouble);
   expect_close(h, at::stack(sources).mean(0), tol.output, "h");
@@ -433,14 +489,14 @@ TEST(KnownAnswer, OneSourceIsTheIdentity) {
     const Tensors sources = random_sources(1, {4, 13}, dtype);
     const at::Tensor query = random_tensor({13}, dtype);
     const at::Tensor gain = random_tensor({13}, dtype);
-    const auto [h, rstd, weights] =
+    const auto [h, rstd, weights, h_kept, h_out_rstd] =
         attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
     EXPECT_TRUE(at::equal(h, sources[0]));
     EXPECT_TRUE(at::equal(weights, at::ones({1, 4}, acc_dtype(dtype))));
 
     const at::Tensor grad_out = random_tensor({4, 13}, dtype);
-    const auto [grad_sources, grad_query, grad_gain] =
-        attnres::depth_attention_bwd(grad_out, sources, query, gain, h, rstd,
+    const auto [grad_sources, grad_query, grad_gain, grad_out_weight] =
+        backward_all(grad_out, sources, query, gain, h, rstd,
                                      weights, kScale);
     EXPECT_TRUE(at::equal(grad_sources[0], grad_out));
     EXPECT_TRUE(at::equal(grad_query, at::zeros({13}, dtype)));
@@ -512,7 +568,7 @@ class DepthAttentionVsComposite : public ::testing::TestWithParam<Case> {
 
 TEST_P(DepthAttentionVsComposite, Forward) {
   const Case& c = GetParam();
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, gain, eps, kScale);
   const Composite ref = composite_forward(
       to_double(sources), query.to(at::kDouble),
@@ -526,15 +582,18 @@ TEST_P(DepthAttentionVsComposite, Forward) {
   expect_close(h, ref.h, tol.output, "h");
   expect_close(rstd, ref.rstd, tol.stats, "rstd");
   expect_close(weights, ref.weights, tol.stats, "weights");
+  // No out_weight: the output norm's statistics are empty.
+  EXPECT_EQ(h_kept.sizes(), at::IntArrayRef({0}));
+  EXPECT_EQ(h_out_rstd.sizes(), at::IntArrayRef({0}));
 }
 
 TEST_P(DepthAttentionVsComposite, Backward) {
   const Case& c = GetParam();
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, gain, eps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), c.dtype);
-  const auto [grad_sources, grad_query, grad_gain] =
-      attnres::depth_attention_bwd(grad_out, sources, query, gain, h, rstd,
+  const auto [grad_sources, grad_query, grad_gain, grad_out_weight] =
+      backward_all(grad_out, sources, query, gain, h, rstd,
                                    weights, kScale);
   const CompositeGrads ref =
       composite_backward(sources, query, gain, grad_out, eps, kScale);
@@ -554,6 +613,7 @@ TEST_P(DepthAttentionVsComposite, Backward) {
   const double param_tol = tolerances(query.scalar_type()).grad;
   expect_close(grad_query, ref.query, param_tol, "grad_query");
   expect_close(grad_gain, ref.gain, param_tol, "grad_norm_weight");
+  EXPECT_FALSE(grad_out_weight.defined());
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDtypesAndShapes, DepthAttentionVsComposite,
@@ -583,9 +643,9 @@ TEST(Layout, StridedSourcesMatchContiguousCopies) {
   const at::Tensor query = random_tensor({D}, at::kFloat, 0.3);
   const at::Tensor gain = random_tensor({D}, at::kFloat);
 
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(strided, query, gain, kEps, kScale);
-  const auto [h_c, rstd_c, weights_c] =
+  const auto [h_c, rstd_c, weights_c, h_c_kept, h_c_out_rstd] =
       attnres::depth_attention_fwd(contiguous, query, gain, kEps, kScale);
   EXPECT_TRUE(at::equal(h, h_c));
   EXPECT_TRUE(at::equal(weights, weights_c));
@@ -596,9 +656,9 @@ TEST(Layout, StridedSourcesMatchContiguousCopies) {
                tolerances(at::kFloat).output, "h of strided sources");
 
   const at::Tensor grad_out = random_tensor({D, 6}, at::kFloat).t();
-  const auto [gs, gq, gg] = attnres::depth_attention_bwd(
+  const auto [gs, gq, gg, gw] = backward_all(
       grad_out, strided, query, gain, h, rstd, weights, kScale);
-  const auto [gs_c, gq_c, gg_c] = attnres::depth_attention_bwd(
+  const auto [gs_c, gq_c, gg_c, gw_c] = backward_all(
       grad_out.contiguous(), contiguous, query, gain, h_c, rstd_c, weights_c,
       kScale);
   for (size_t i = 0; i < gs.size(); ++i) {
@@ -613,13 +673,13 @@ TEST(Layout, ZeroTokens) {
   const Tensors sources(3, at::empty({0, D}, at::kFloat));
   at::manual_seed(5);
   const at::Tensor query = random_tensor({D}, at::kFloat);
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, kEps, kScale);
   EXPECT_EQ(h.sizes(), at::IntArrayRef({0, D}));
   EXPECT_EQ(rstd.sizes(), at::IntArrayRef({3, 0}));
   EXPECT_EQ(weights.sizes(), at::IntArrayRef({3, 0}));
 
-  const auto [gs, gq, gg] = attnres::depth_attention_bwd(
+  const auto [gs, gq, gg, gw] = backward_all(
       at::empty({0, D}, at::kFloat), sources, query, std::nullopt, h, rstd,
       weights, kScale);
   ASSERT_EQ(gs.size(), 3u);
@@ -638,22 +698,21 @@ TEST(Determinism, BackwardBitsDoNotDependOnThreadCount) {
   const Tensors sources = random_sources(5, {4099, D}, at::kFloat);
   const at::Tensor query = random_tensor({D}, at::kFloat, 0.2);
   const at::Tensor gain = random_tensor({D}, at::kFloat);
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
 
   const int saved_threads = at::get_num_threads();
-  std::vector<std::tuple<Tensors, at::Tensor, at::Tensor>> runs;
+  std::vector<attnres::DepthAttentionBackward> runs;
   for (int threads : {1, 2, 1, 3}) {
     at::set_num_threads(threads);
-    runs.push_back(attnres::depth_attention_bwd(grad_out, sources, query, gain,
-                                                h, rstd, weights, kScale));
+    runs.push_back(backward_all(grad_out, sources, query, gain, h, rstd, weights, kScale));
   }
   at::set_num_threads(saved_threads);
 
-  const auto& [gs0, gq0, gg0] = runs[0];
+  const auto& [gs0, gq0, gg0, gw0] = runs[0];
   for (size_t r = 1; r < runs.size(); ++r) {
-    const auto& [gs, gq, gg] = runs[r];
+    const auto& [gs, gq, gg, gw] = runs[r];
     EXPECT_TRUE(at::equal(gq, gq0)) << "run " << r;
     EXPECT_TRUE(at::equal(gg, gg0)) << "run " << r;
     for (size_t i = 0; i < gs.size(); ++i) {
@@ -750,13 +809,13 @@ TEST_F(BadInput, ZeroDimSource) {
 }
 
 TEST_F(BadInput, BackwardStatisticsAndGradOut) {
-  const auto [h, rstd, weights] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
   auto backward = [&](const at::Tensor& go, const at::Tensor& r,
                       const at::Tensor& w, const at::Tensor& out) {
     return [=] {
-      attnres::depth_attention_bwd(go, sources, query, gain, out, r, w, kScale);
+      backward_all(go, sources, query, gain, out, r, w, kScale);
     };
   };
   expect_error<c10::ValueError>(
@@ -773,10 +832,33 @@ TEST_F(BadInput, BackwardStatisticsAndGradOut) {
   // shape and dtype.
   expect_error<c10::ValueError>(
       backward(grad_out, rstd, weights, h.slice(0, 0, 2)),
-      "out (the forward's output h) must have the sources' shape");
+      "h (the forward's read) must have the sources' shape");
   expect_error<c10::TypeError>(
       backward(grad_out, rstd, weights, h.to(at::kDouble)),
-      "out (the forward's output h) must have the sources' dtype");
+      "h (the forward's read) must have the sources' dtype");
+  // output_mask: N + 2 flags without out_weight, N + 3 with it.
+  auto masked_backward = [&](const at::Tensor& out, const at::Tensor& r, const at::Tensor& w,
+                             const c10::List<bool>& mask,
+                             const std::optional<at::Tensor>& out_weight,
+                             const std::optional<at::Tensor>& out_rstd) {
+    return [=] {
+      attnres::depth_attention_bwd(grad_out, std::nullopt, sources, query, gain, out, r, w,
+                                   kScale, mask, out_weight, out_rstd);
+    };
+  };
+  expect_error<c10::ValueError>(
+      masked_backward(h, rstd, weights, c10::List<bool>({true, true, true, true}), std::nullopt,
+                      std::nullopt),
+      "output_mask must have N + 2 = 5 entries (each source, query, norm_weight), got 4");
+  const at::Tensor out_weight = random_tensor({D}, at::kFloat);
+  const attnres::DepthAttentionForward normed = attnres::depth_attention_fwd(
+      sources, query, gain, kEps, kScale, out_weight, std::nullopt, /*keep_h=*/true);
+  expect_error<c10::ValueError>(
+      masked_backward(std::get<3>(normed), std::get<1>(normed), std::get<2>(normed),
+                      c10::List<bool>({true, true, true, true, true}), out_weight,
+                      std::get<4>(normed)),
+      "output_mask must have N + 3 = 6 entries (each source, query, norm_weight, "
+      "out_weight), got 5");
 }
 
 }  // namespace

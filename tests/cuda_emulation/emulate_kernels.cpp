@@ -66,10 +66,11 @@ struct Case {
   // h with rows D + h_extra_stride apart (padding NaN: a kernel that used D
   // instead of the row stride would read it).
   int h_extra_stride = 0;
-  // The fused output norm (depth_attention_normed): out gets RMSNorm(h) * w,
-  // the backward starts from dy. keep_h: the forward writes h too (else it
-  // is written by a second forward, for the backward, after checking that
-  // the first wrote none); want_dw: the norm weight's gradient is wanted.
+  // The fused output norm (depth_attention with out_weight): out gets
+  // RMSNorm(h) * w, the backward starts from dy. keep_h: the forward writes
+  // h too (else it is written by a second forward, for the backward, after
+  // checking that the first wrote none); want_dw: the norm weight's gradient
+  // is wanted.
   bool norm = false;
   bool keep_h = true;
   bool want_dw = true;
@@ -1079,7 +1080,7 @@ int main(int argc, char** argv) {
                 at_maximum(10, 3, 33, 3.4028234663852886e38, true)});
   run(c10::BFloat16{}, {at_maximum(7, 4, 1024, 3.3895313892515355e38),
                         at_maximum(13, 3, 64, 3.3895313892515355e38, true)});
-  // The fused output norm (depth_attention_normed): every path above with
+  // The fused output norm (depth_attention with out_weight): every path above with
   // the epilogue's norm and the prologue's dh, h kept or not, the weight
   // gradient wanted or not (its accumulators in shared memory, or in
   // global memory when a 99 KiB device has no room), odd D, N = 1 .. 70.

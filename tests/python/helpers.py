@@ -297,15 +297,18 @@ DEVICES = [
 ]
 
 
-def backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, scale, *,
-                grad_weights=None, output_mask=None):
+def backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, scale, *,
+                grad_weights=None, output_mask=None, out_weight=None, out_rstd=None):
     """torch.ops.attnres.depth_attention_bwd with every gradient wanted by
-    default (output_mask: N + 2 flags, each source, query, norm_weight)."""
+    default (output_mask: N + 2 flags, each source, query, norm_weight; N + 3
+    with ``out_weight``, whose gradient is then the fourth result). ``h`` is
+    the forward's read (its first result without out_weight, its kept h with
+    it); ``out_rstd`` the forward's output-norm statistics."""
     if output_mask is None:
-        output_mask = [True] * (len(sources) + 2)
+        output_mask = [True] * (len(sources) + (3 if out_weight is not None else 2))
     return torch.ops.attnres.depth_attention_bwd(
-        grad_out, grad_weights, list(sources), query, norm_weight, out, rstd, weights, scale,
-        output_mask
+        grad_out, grad_weights, list(sources), query, norm_weight, h, rstd, weights, scale,
+        output_mask, out_weight, out_rstd
     )
 
 

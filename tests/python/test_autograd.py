@@ -39,7 +39,8 @@ def test_gradcheck_through_output_and_weights_fp64(with_gain):
 
     def fwd(*xs):
         gain = xs[5] if with_gain else None
-        h, _rstd, w = torch.ops.attnres.depth_attention_fwd(list(xs[:4]), xs[4], gain, 1e-6, 0.8)
+        h, _rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+            list(xs[:4]), xs[4], gain, 1e-6, 0.8)
         return h, w
 
     assert torch.autograd.gradcheck(fwd, args)
@@ -84,7 +85,7 @@ def test_loss_on_weights_alone(device):
     gen = torch.Generator().manual_seed(6)
     srcs = make_sources(3, (4,), 16, torch.float64, device, gen, requires_grad=True)
     q, g = make_params(16, torch.float64, device, gen, requires_grad=True)
-    _h, _rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    _out, _rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     (w[0] * w[2]).sum().backward()
     ref_srcs = [fp64_leaf(s) for s in srcs]
     ref_q, ref_g = fp64_leaf(q), fp64_leaf(g)
@@ -126,18 +127,22 @@ def test_backward_op_computes_only_what_the_mask_asks(device):
     gen = torch.Generator().manual_seed(8)
     srcs = make_sources(4, (3, 2), 24, torch.float32, device, gen)
     q, g = make_params(24, torch.float32, device, gen)
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
     dh = torch.randn(srcs[0].shape, generator=gen).to(device)
     gw = torch.randn(w.shape, generator=gen).to(device)
-    full_s, full_q, full_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw)
+    full_s, full_q, full_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw)[:3]
     mask = [False, True, False, True, False, True]
-    part_s, part_q, part_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw, output_mask=mask)
+    part_s, part_q, part_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw,
+                                         output_mask=mask)[:3]
     assert len(part_s) == 2 and part_q is None
     torch.testing.assert_close(part_s[0], full_s[1], rtol=0, atol=0)
     torch.testing.assert_close(part_s[1], full_s[3], rtol=0, atol=0)
     torch.testing.assert_close(part_g, full_g, rtol=0, atol=0)
-    none_s, none_q, none_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, output_mask=[False] * 6)
+    none = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, output_mask=[False] * 6)
+    none_s, none_q, none_g = none[:3]
     assert none_s == [] and none_q is None and none_g is None
+    # Without out_weight there is no out_weight gradient.
+    assert all(r is None for r in none[3:])
     with pytest.raises(ValueError, match=r"output_mask must have N \+ 2 = 6 entries"):
         backward_op(dh, srcs, q, g, h, rstd, w, 0.9, output_mask=[True] * 5)
 
@@ -153,11 +158,11 @@ def test_source_grads_have_the_same_bits_whatever_else_is_asked(device, dtype):
     n, d = 9, 1000
     srcs = make_sources(n, (33,), d, dtype, device, gen)
     q, g = make_params(d, dtype, device, gen)
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.7)
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.7)
     dh = torch.randn(h.shape, generator=gen).to(device=device, dtype=dtype)
-    all_s, _, _ = backward_op(dh, srcs, q, g, h, rstd, w, 0.7)
+    all_s = backward_op(dh, srcs, q, g, h, rstd, w, 0.7)[0]
     only_s, none_q, none_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.7,
-                                         output_mask=[True] * n + [False, False])
+                                         output_mask=[True] * n + [False, False])[:3]
     assert none_q is None and none_g is None
     for a, b in zip(all_s, only_s):
         assert torch.equal(a, b)
@@ -171,17 +176,17 @@ def test_backward_checks_the_saved_output(device):
     gen = torch.Generator().manual_seed(10)
     srcs = make_sources(3, (4,), 16, torch.float32, device, gen)
     q, g = make_params(16, torch.float32, device, gen)
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     dh = torch.randn(h.shape, generator=gen).to(device)
     meta = lambda t: t.to("meta")  # noqa: E731
     for to in (lambda t: t, meta):
         args = (to(dh), [to(s) for s in srcs], to(q), to(g))
         stats = (to(rstd), to(w), 1.0)
-        with pytest.raises(ValueError, match=r"out \(the forward's output h\) must have the sources' shape"):
+        with pytest.raises(ValueError, match=r"h \(the forward's read\) must have the sources' shape"):
             backward_op(*args, to(h[:2]), *stats)
-        with pytest.raises(TypeError, match=r"out \(the forward's output h\) must have the sources' dtype"):
+        with pytest.raises(TypeError, match=r"h \(the forward's read\) must have the sources' dtype"):
             backward_op(*args, to(h.double()), *stats)
-    with pytest.raises(ValueError, match=r"out \(the forward's output h\) must be on the sources' device"):
+    with pytest.raises(ValueError, match=r"h \(the forward's read\) must be on the sources' device"):
         backward_op(dh, srcs, q, g, meta(h), rstd, w, 1.0)
 
 

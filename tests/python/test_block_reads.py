@@ -1,7 +1,9 @@
 """Two-phase Block reads (docs/design.md §10): the ops block_reads_fwd/bwd
 and block_read_merge_fwd/bwd against a float64 reference, their autograd,
 opcheck and torch.compile, and DepthStream/AttnResResidual using them in
-place of one-call reads."""
+place of one-call reads. (Their optional out_weight: test_out_norm.py.)"""
+import re
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -54,9 +56,11 @@ def ref_read(sources, query, gain, eps=1e-6):
                                         (3, 4, (1, 4), 1000)])
 def test_forward_matches_float64_reference(dtype, n, s, lead, d):
     sources, block_sum, queries, gains = problem(n, s, lead, d, dtype)
-    partial_outs, lse, rstd, weights = torch.ops.attnres.block_reads_fwd(sources, queries, gains,
-                                                                         1e-6, 1.0)
+    partial_outs, lse, rstd, weights, h0, out_rstd = torch.ops.attnres.block_reads_fwd(
+        sources, queries, gains, 1e-6, 1.0)
     assert len(partial_outs) == s and lse.shape == (s, *lead) and weights.shape == (s, n, *lead)
+    # No out_weight: the output norm's statistics are empty.
+    assert h0.shape == (0,) and out_rstd.shape == (0,)
     ref_rstd = torch.stack([x.double().pow(2).mean(-1).add(1e-6).rsqrt() for x in sources])
     assert_rel_close(rstd, ref_rstd, STAT_REL_TOL[dtype], "rstd")
     for r in range(s):
@@ -70,8 +74,9 @@ def test_forward_matches_float64_reference(dtype, n, s, lead, d):
         scores = torch.stack([ref_rstd[i] * (sources[i].double() @ q) for i in range(n)])
         assert_rel_close(lse[r], torch.logsumexp(scores, 0), STAT_REL_TOL[dtype], "lse")
         # Phase 2 with the partial block sum: the one-call read over n + 1.
-        h, rstd_p, a_p = torch.ops.attnres.block_read_merge_fwd(partial_outs[r], lse[r], block_sum,
-                                                                queries[r], gain, 1e-6, 1.0)
+        h, rstd_p, a_p, h_kept, out_rstd_p = torch.ops.attnres.block_read_merge_fwd(
+            partial_outs[r], lse[r], block_sum, queries[r], gain, 1e-6, 1.0)
+        assert h_kept.shape == (0,) and out_rstd_p.shape == (0,)
         h_ref, w_ref = ref_read([*sources, block_sum], queries[r], gain)
         assert_rel_close(h, h_ref, REL_TOL[dtype], f"merged h[{r}]")
         assert_rel_close(a_p, w_ref[-1], STAT_REL_TOL[dtype], "block_sum weight")
@@ -153,8 +158,8 @@ def test_gradcheck_float64():
 def test_opcheck(dtype, with_gain):
     sources, block_sum, queries, gains = problem(3, 2, (2, 3), 8, dtype, seed=4, gain=with_gain)
     opcheck(torch.ops.attnres.block_reads_fwd.default, (sources, queries, gains, 1e-6, 0.5))
-    partial_outs, lse, rstd, weights = torch.ops.attnres.block_reads_fwd(sources, queries, gains,
-                                                                         1e-6, 0.5)
+    partial_outs, lse, rstd, weights, _, _ = torch.ops.attnres.block_reads_fwd(
+        sources, queries, gains, 1e-6, 0.5)
     dy = [torch.randn_like(y) for y in partial_outs]
     dlse = torch.randn_like(lse)
     opcheck(torch.ops.attnres.block_reads_bwd.default,
@@ -162,7 +167,7 @@ def test_opcheck(dtype, with_gain):
     gain = None if gains is None else gains[1]
     merge_args = (partial_outs[1], lse[1], block_sum, queries[1], gain, 1e-6, 0.5)
     opcheck(torch.ops.attnres.block_read_merge_fwd.default, merge_args)
-    h, rstd_p, a_p = torch.ops.attnres.block_read_merge_fwd(*merge_args)
+    h, rstd_p, a_p, _, _ = torch.ops.attnres.block_read_merge_fwd(*merge_args)
     opcheck(torch.ops.attnres.block_read_merge_bwd.default,
             (torch.randn_like(h), partial_outs[1], block_sum, queries[1], gain, rstd_p, a_p, 0.5,
              [True] * 5))
@@ -232,10 +237,12 @@ def test_fake_kernels_raise_the_same_words():
     meta = [x.to("meta") for x in sources]
     with pytest.raises(ValueError, match=r"queries must have shape \[S, D\] = \[3, 8\]"):
         torch.ops.attnres.block_reads_fwd(meta, queries[:, :5].to("meta"), None, 1e-6, 1.0)
-    parts, lse, rstd, w = torch.ops.attnres.block_reads_fwd(meta, queries.to("meta"), None, 1e-6, 1.0)
+    parts, lse, rstd, w, h, out_rstd = torch.ops.attnres.block_reads_fwd(
+        meta, queries.to("meta"), None, 1e-6, 1.0)
     assert [tuple(p.shape) for p in parts] == [(4, 8)] * 3 and lse.shape == (3, 4)
     assert lse.dtype == torch.float64
     assert rstd.shape == (2, 4) and w.shape == (3, 2, 4) and w.dtype == torch.float32
+    assert h.shape == (0,) and out_rstd.shape == (0,)
     for device in ("cpu", "meta"):  # the C++ checks and the fake kernel: the same words
         y, p, q = torch.zeros(4, 8, device=device), block_sum.to(device), queries[0].to(device)
         lse0 = torch.zeros(4, device=device, dtype=torch.float64)
@@ -854,9 +861,11 @@ def test_inplace_merge_equals_the_merge_and_refuses_gradients():
     opcheck(torch.ops.attnres.block_read_merge_inplace.default,
             (partial_outs[1].clone(), lse[1], block_sum, queries[1], gains[1], 1e-6, 1.0))
     q = queries[1].clone().requires_grad_(True)
-    with pytest.raises(RuntimeError, match="block_read_merge_inplace has no derivative"):
+    with pytest.raises(RuntimeError, match="attnres::block_read_merge_inplace has no derivative"):
         attnres.ops.block_read_merge_inplace(partial_outs[1].clone(), lse[1], block_sum, q)
-    with pytest.raises(ValueError, match="must be contiguous"):
+    with pytest.raises(ValueError, match=re.escape(
+            "partial_out must be contiguous for block_read_merge_inplace (the read is written "
+            "into it)")):
         attnres.ops.block_read_merge_inplace(torch.stack(partial_outs, -1)[..., 0], lse[0],
                                              block_sum, queries[0])
 
@@ -904,6 +913,48 @@ def test_inplace_merge_refuses_a_block_sum_that_overlaps_the_partial_output(out_
     with torch.no_grad():
         with pytest.raises(ValueError, match="partial_out and block_sum must be different tensors"):
             block_read_merge_inplace(partial, lse, partial, query, out_weight=w)
-        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        with pytest.raises(RuntimeError, match=re.escape(
+                "block_sum shares memory with partial_out (some of their elements refer to a "
+                "single memory location)")):
             block_read_merge_inplace(partial, lse, buf[D:].view(T, D), query, out_weight=w)
         block_read_merge_inplace(partial, lse, torch.randn(T, D), query, out_weight=w)  # disjoint: fine
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # the C++ checks and the fake kernel
+@pytest.mark.parametrize("name", ["lse", "query", "norm_weight", "out_weight"])
+def test_inplace_merge_refuses_any_input_that_overlaps_the_partial_output(name, device):
+    """Every input is read while h (or y) is written over partial_out: lse,
+    the query and both gains too are refused when they share memory with
+    it, and (query, gains, which can have its shape) when they are it."""
+    D, T = 8, 4
+    dtype = torch.float64  # so that lse can be a view of partial_out's storage
+    buf = torch.randn(T * D + D, dtype=dtype).to(device)
+    partial = buf[:T * D].view(T, D)
+    inputs = dict(lse=torch.zeros(T, dtype=dtype, device=device),
+                  query=torch.randn(D, dtype=dtype).to(device),
+                  norm_weight=torch.ones(D, dtype=dtype, device=device),
+                  out_weight=torch.ones(D, dtype=dtype, device=device))
+    block_sum = torch.randn(T, D, dtype=dtype).to(device)
+
+    def merge(target, **kw):
+        args = {**inputs, **kw}
+        torch.ops.attnres.block_read_merge_inplace(
+            target, args["lse"], block_sum, args["query"], args["norm_weight"], 1e-6, 1.0,
+            args["out_weight"], None)
+
+    # One element in common: the last of partial_out.
+    overlap = buf[T * D - 1:T * D - 1 + (T if name == "lse" else D)]
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"{name} shares memory with partial_out (some of their elements refer to a "
+                f"single memory location), which block_read_merge_inplace overwrites while it "
+                f"reads {name}")):
+            merge(partial, **{name: overlap})
+        if name != "lse":  # a 1-token partial_out [D] can be the [D] parameter itself
+            row = buf[:D]
+            with pytest.raises(ValueError, match=f"partial_out and {name} must be different tensors"):
+                torch.ops.attnres.block_read_merge_inplace(
+                    row, torch.zeros((), dtype=dtype, device=device), block_sum[0],
+                    *[row if n == name else inputs[n] for n in ("query", "norm_weight")],
+                    1e-6, 1.0, row if name == "out_weight" else inputs["out_weight"], None)
+        merge(partial, **{name: buf[T * D:T * D + (T if name == "lse" else D)]})  # disjoint: fine

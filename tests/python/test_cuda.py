@@ -92,12 +92,15 @@ def test_cpu_and_cuda_agree(N, lead, D, dtype):
     ):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_rel_close(b, a, tol, name)
+    # Without out_weight the output norm's statistics are empty on both.
+    for name, a, b in zip(("h", "out_rstd"), fwd_cpu[3:], fwd_gpu[3:]):
+        assert a.shape == b.shape == (0,) and a.dtype == b.dtype and b.is_cuda, name
     bwd_cpu = backward_op(
-        grad_out, sources, query, norm_weight, *fwd_cpu, scale
+        grad_out, sources, query, norm_weight, *fwd_cpu[:3], scale
     )
     bwd_gpu = backward_op(
         grad_out.cuda(), cuda_args(sources), query.cuda(), norm_weight.cuda(),
-        *fwd_gpu, scale,
+        *fwd_gpu[:3], scale,
     )
     for i, (a, b) in enumerate(zip(bwd_cpu[0], bwd_gpu[0])):
         assert_close_rel(b, a, dtype, f"grad of sources[{i}]")
@@ -130,7 +133,8 @@ def test_opcheck(dtype, gain):
     q = query.detach().clone().requires_grad_(True)
     w = norm_weight.detach().clone().requires_grad_(True) if gain else None
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (srcs, q, w, 1e-6, 0.9))
-    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 0.9)
+    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 0.9)
     torch.library.opcheck(
         torch.ops.attnres.depth_attention_bwd.default,
         (grad_out, None, sources, query, norm_weight, h, rstd, weights, 0.9, [True] * (len(sources) + 2)),
@@ -164,10 +168,11 @@ def test_cuda_graph_capture_and_replay():
     static_src, static_q, static_w, static_dh = make_problem(N, lead, D, dtype, seed=1)
 
     def step():
-        out, rstd, weights = torch.ops.attnres.depth_attention_fwd(static_src, static_q, static_w, eps, scale)
+        out, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+            static_src, static_q, static_w, eps, scale)
         grads, gq, gw = backward_op(
             static_dh, static_src, static_q, static_w, out, rstd, weights, scale
-        )
+        )[:3]
         return [out, rstd, weights, *grads, gq, gw]
 
     side = torch.cuda.Stream()
@@ -207,8 +212,9 @@ def test_more_than_2_31_elements():
     query = torch.randn(D, device="cuda", generator=gen) / D**0.5
     norm_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
     grad_out = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
-    grads, _, _ = backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, 1.0)
+    out, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0)
+    grads = backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, 1.0)[0]
     for rows in (slice(0, 4), slice(T - 4, T)):
         sub = [s[rows] for s in sources]
         rh, _, rgs, _, _ = reference_fwd_bwd(sub, query, norm_weight, grad_out[rows], eps=1e-6, scale=1.0)
@@ -226,9 +232,10 @@ def test_more_than_2_31_elements():
 ])
 def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
-    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0)
     runs = [
-        backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)
+        backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)[:3]
         for _ in range(2)
     ]
     (g1, q1, w1), (g2, q2, w2) = runs
@@ -243,7 +250,8 @@ def test_backward_reads_h_only_in_single_pass(dtype):
     only the former's gradients. A misaligned h (16-byte loads impossible:
     the scalar path) gives the same gradients within the tolerance."""
     sources, query, norm_weight, grad_out = make_problem(5, (33,), 64, dtype)
-    h, rstd, weights = torch.ops.attnres.depth_attention_fwd(sources, query, norm_weight, 1e-6, 1.0)
+    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0)
     base = backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)
     bumped = backward_op(grad_out, sources, query, norm_weight, h * 2 + 1, rstd, weights, 1.0)
     single_pass = dtype in (torch.float32, torch.float64)
@@ -324,13 +332,13 @@ def test_empty_token_dimension():
     assert torch.equal(query.grad, torch.zeros_like(query))
 
 
-# ---- the fused output norm (depth_attention_normed_fwd/bwd) --------------------------
+# ---- the fused output norm (depth_attention_fwd/bwd with out_weight) ----------------
 # Through the ops themselves (test_out_norm.py runs the functional and its
 # autograd on CUDA too, at D = 1 among others); the reference composes the
 # float64 depth attention with a float64 RMSNorm, differentiated by autograd.
 
 
-def normed_reference(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps):
+def out_norm_reference(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps):
     """float64: y = RMSNorm(h) * out_weight, h the eager reference read
     rounded to the sources' dtype (straight through: the model of
     docs/design.md §11), and the gradients of <y, grad_out> (sources, query,
@@ -347,32 +355,32 @@ def normed_reference(sources, query, norm_weight, out_weight, grad_out, *, eps, 
     return y.detach(), h.detach(), r.squeeze(-1).detach(), grads
 
 
-def normed_ops(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps,
-               keep_h=True, want_out_weight=True):
-    y, h, rstd, weights, out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-        sources, query, norm_weight, out_weight, eps, scale, out_eps, keep_h)
+def out_norm_ops(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps,
+                 keep_h=True, want_out_weight=True):
+    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h)
     if not keep_h:
         assert h.numel() == 0
-        _, h, _, _, _ = torch.ops.attnres.depth_attention_normed_fwd(
-            sources, query, norm_weight, out_weight, eps, scale, out_eps, True)
+        _, _, _, h, _ = torch.ops.attnres.depth_attention_fwd(
+            sources, query, norm_weight, eps, scale, out_weight, out_eps, True)
     mask = [True] * (len(sources) + 2) + [want_out_weight]
-    gs, gq, gg, gw = torch.ops.attnres.depth_attention_normed_bwd(
-        grad_out, None, sources, query, norm_weight, out_weight, h, rstd, weights, out_rstd,
-        scale, mask)
+    gs, gq, gg, gw = torch.ops.attnres.depth_attention_bwd(
+        grad_out, None, sources, query, norm_weight, h, rstd, weights, scale, mask, out_weight,
+        out_rstd)
     return y, h, out_rstd, (gs, gq, gg, gw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D", [3, 64, 1000, 7186, 16384])
 @pytest.mark.parametrize("N", [1, 3, 17, 65])
-def test_normed_matches_reference(N, D, dtype):
+def test_out_norm_matches_reference(N, D, dtype):
     lead = (2, 3) if D <= 1000 else (3,)
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype, seed=N * 104729 + D)
     g = torch.Generator(device="cpu").manual_seed(D)
     out_weight = (1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64)).to(param_dtype(dtype)).cuda()
     kw = dict(eps=1e-6, scale=0.8, out_eps=1e-5)
-    y, h, out_rstd, (gs, gq, gg, gw) = normed_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
-    ry, rh, rr, rgrads = normed_reference(sources, query, norm_weight, out_weight, grad_out, **kw)
+    y, h, out_rstd, (gs, gq, gg, gw) = out_norm_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
+    ry, rh, rr, rgrads = out_norm_reference(sources, query, norm_weight, out_weight, grad_out, **kw)
     assert y.dtype == dtype and y.shape == sources[0].shape and h.shape == sources[0].shape
     assert_close_rel(y, ry, dtype, "y")
     assert_close_rel(h, rh, dtype, "h")
@@ -386,7 +394,7 @@ def test_normed_matches_reference(N, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_normed_keep_h_and_unwanted_weight_gradient(dtype):
+def test_out_norm_keep_h_and_unwanted_weight_gradient(dtype):
     """keep_h=False returns an empty h and the same y; a weight gradient not
     asked for is undefined and changes nothing else (the source gradients
     bitwise; the query gradient up to its summation order, as the plan may
@@ -394,8 +402,8 @@ def test_normed_keep_h_and_unwanted_weight_gradient(dtype):
     sources, query, norm_weight, grad_out = make_problem(9, (33,), 1000, dtype)
     out_weight = torch.linspace(0.5, 1.5, 1000, device="cuda", dtype=param_dtype(dtype))
     kw = dict(eps=1e-6, scale=1.0, out_eps=1e-5)
-    y1, _, r1, (gs1, gq1, gg1, gw1) = normed_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
-    y2, _, r2, (gs2, gq2, gg2, gw2) = normed_ops(sources, query, norm_weight, out_weight, grad_out,
+    y1, _, r1, (gs1, gq1, gg1, gw1) = out_norm_ops(sources, query, norm_weight, out_weight, grad_out, **kw)
+    y2, _, r2, (gs2, gq2, gg2, gw2) = out_norm_ops(sources, query, norm_weight, out_weight, grad_out,
                                                   keep_h=False, want_out_weight=False, **kw)
     assert torch.equal(y1, y2) and torch.equal(r1, r2)
     assert gw1 is not None and gw2 is None
@@ -409,10 +417,10 @@ def test_normed_keep_h_and_unwanted_weight_gradient(dtype):
     (4, (16384,), 1024, torch.float32),   # single pass, a grid of several waves
     (3, (64,), 16384, torch.float32),     # widest rows
 ])
-def test_normed_backward_is_bitwise_deterministic(N, lead, D, dtype):
+def test_out_norm_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
     out_weight = torch.linspace(0.5, 1.5, D, device="cuda", dtype=param_dtype(dtype))
-    runs = [normed_ops(sources, query, norm_weight, out_weight, grad_out, eps=1e-6, scale=1.0,
+    runs = [out_norm_ops(sources, query, norm_weight, out_weight, grad_out, eps=1e-6, scale=1.0,
                        out_eps=1e-5)[3] for _ in range(2)]
     (gs1, gq1, gg1, gw1), (gs2, gq2, gg2, gw2) = runs
     assert torch.equal(gq1, gq2) and torch.equal(gw1, gw2)
@@ -420,7 +428,7 @@ def test_normed_backward_is_bitwise_deterministic(N, lead, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_normed_misaligned_out_weight_and_h(dtype):
+def test_out_norm_misaligned_out_weight_and_h(dtype):
     """An out_weight view at an odd offset (copied to 16-byte alignment by
     the host code) and a misaligned h (scalar path) give the same results
     within the tolerance."""
@@ -432,17 +440,17 @@ def test_normed_misaligned_out_weight_and_h(dtype):
     w_odd = buf[1:]
     w_odd.copy_(w)
     kw = dict(eps=1e-6, scale=1.0, out_eps=1e-5)
-    y, h, out_rstd, base = normed_ops(sources, query, norm_weight, w, grad_out, **kw)
-    y2, _, _, _ = normed_ops(sources, query, norm_weight, w_odd, grad_out, **kw)
+    y, h, out_rstd, base = out_norm_ops(sources, query, norm_weight, w, grad_out, **kw)
+    y2, _, _, _ = out_norm_ops(sources, query, norm_weight, w_odd, grad_out, **kw)
     assert torch.equal(y, y2)
-    _, rstd, weights, _, _ = torch.ops.attnres.depth_attention_normed_fwd(
-        sources, query, norm_weight, w, 1e-6, 1.0, 1e-5, True)
+    _, rstd, weights, _, _ = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0, w, 1e-5, True)
     hbuf = torch.empty(h.numel() + 1, dtype=dtype, device="cuda")
     h_odd = hbuf[1:].view_as(h)
     h_odd.copy_(h)
-    got = torch.ops.attnres.depth_attention_normed_bwd(
-        grad_out, None, sources, query, norm_weight, w, h_odd, rstd, weights, out_rstd, 1.0,
-        [True] * (len(sources) + 3))
+    got = torch.ops.attnres.depth_attention_bwd(
+        grad_out, None, sources, query, norm_weight, h_odd, rstd, weights, 1.0,
+        [True] * (len(sources) + 3), w, out_rstd)
     for a, b in zip(got[0], base[0]):
         assert_rel_close(a, b, REL_TOL[dtype], "source gradient with a misaligned h")
     assert_rel_close(got[3], base[3], REL_TOL[dtype], "out_weight gradient with a misaligned h")
@@ -473,11 +481,11 @@ def one_call_f64(sources, query, gain, out_weight=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,s,d", [(1, 1, 64), (3, 4, 1000), (5, 6, 7186), (9, 4, 1024), (2, 18, 40),
                                    (67, 2, 24), (4, 3, 3)])
-@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
-def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, normed):
+@pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
+def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, out_norm):
     sources, block_sum, queries, gains, out_w = block_problem(n, s, (3, 5), d, dtype, seed=n + s + d)
     cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
-    ow = out_w if normed else None
+    ow = out_w if out_norm else None
     with torch.no_grad():
         partials, lse = attnres.block_reads([x.cuda() for x in sources], queries.cuda(), gains.cuda(),
                                             out_weight=cuda(ow))
@@ -486,7 +494,7 @@ def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, norm
             assert_rel_close(partials[j].cpu().double(), want, REL_TOL[dtype], f"partial {j}")
         # Phase 2 of reader 1 (reader 0 when S = 1), out of place and in place.
         j = 1 if s > 1 else 0
-        if normed and j == 0:
+        if out_norm and j == 0:
             return
         want = one_call_f64(sources + [block_sum], queries[j], gains[j], ow)
         got = attnres.block_read_merge(partials[j], lse[j], block_sum.cuda(), queries[j].cuda(),
@@ -500,9 +508,9 @@ def test_block_read_forward_kernels_match_the_one_call_read(dtype, n, s, d, norm
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d,strided", [(64, False), (1000, True), (7186, False), (3, False)])
-@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
-def test_block_read_merge_backward_kernel_matches_float64(dtype, d, strided, normed):
-    """Phase 2's backward on CUDA (block_read_merge_bwd, and its normed form)
+@pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
+def test_block_read_merge_backward_kernel_matches_float64(dtype, d, strided, out_norm):
+    """Phase 2's backward on CUDA (block_read_merge_bwd, with and without out_weight)
     through autograd: every gradient against the float64 CPU op, and the
     same bits on a second run (the query and out-weight gradients are fixed-
     order sums of per-warp partial rows)."""
@@ -521,10 +529,10 @@ def test_block_read_merge_backward_kernel_matches_float64(dtype, d, strided, nor
             wide[..., :d] = leaves[2].detach()
             leaves[2] = wide[..., :d].detach().requires_grad_(True)
             assert not leaves[2].is_contiguous()
-        ow = leaf(out_w, device, cast) if normed else None
+        ow = leaf(out_w, device, cast) if out_norm else None
         out = attnres.block_read_merge(*leaves, out_weight=ow)
         out.backward(cast(grad.to(dtype)).to(device))
-        return [x.grad for x in leaves] + ([ow.grad] if normed else [])
+        return [x.grad for x in leaves] + ([ow.grad] if out_norm else [])
 
     want = run("cpu", lambda t: t.double())
     got = run("cuda", lambda t: t)
@@ -539,9 +547,9 @@ def test_block_read_merge_backward_kernel_matches_float64(dtype, d, strided, nor
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,s,d", [(1, 1, 64), (3, 4, 1000), (5, 6, 7186), (2, 18, 40), (67, 2, 24),
                                    (4, 3, 3)])
-@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
-def test_block_reads_backward_kernel_matches_float64(dtype, n, s, d, normed):
-    """Phase 1's backward on CUDA (block_reads_bwd, and its normed form)
+@pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
+def test_block_reads_backward_kernel_matches_float64(dtype, n, s, d, out_norm):
+    """Phase 1's backward on CUDA (block_reads_bwd, with and without out_weight)
     through autograd, the lse's gradient included: every gradient against
     the float64 CPU op, and the same bits on a second run."""
     sources, _, queries, gains, out_w = block_problem(n, s, (3, 5), d, dtype, seed=n + s + d)
@@ -551,12 +559,12 @@ def test_block_reads_backward_kernel_matches_float64(dtype, n, s, d, normed):
 
     def run(device, cast):
         leaves = [cast(t).to(device, copy=True).requires_grad_(True) for t in (*sources, queries, gains)]
-        ow = cast(out_w).to(device, copy=True).requires_grad_(True) if normed else None
+        ow = cast(out_w).to(device, copy=True).requires_grad_(True) if out_norm else None
         partials, lse = attnres.block_reads(leaves[:n], leaves[n], leaves[n + 1], out_weight=ow)
         outs = [*partials, lse]
         outs_grad = [cast(x.to(dtype)).to(device) for x in grads] + [lse_grad.to(device, lse.dtype)]
         torch.autograd.backward(outs, outs_grad)
-        return [x.grad for x in leaves] + ([ow.grad] if normed else [])
+        return [x.grad for x in leaves] + ([ow.grad] if out_norm else [])
 
     want = run("cpu", lambda t: t.double())
     got = run("cuda", lambda t: t)

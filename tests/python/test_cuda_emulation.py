@@ -116,7 +116,8 @@ def test_cuda_kernels_emulated_on_cpu(emulation_runs, dtype):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulation build is set up for Linux")
 def test_block_read_kernels_emulated_on_cpu(block_emulator):
     """The two-phase Block reads' CUDA kernels (csrc/cuda/block_kernels.cuh),
-    phase 1 and phase 2, forward and backward, plain and normed, in every
+    phase 1 and phase 2, forward and backward, with and without the fused output
+    norm (out_weight), in every
     dtype, against long double."""
     result = subprocess.run([str(block_emulator)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"emulated block-read kernels disagree:\n{result.stdout[-6000:]}{result.stderr}"
@@ -127,14 +128,14 @@ def test_block_read_kernels_emulated_on_cpu(block_emulator):
     # The range rescue and the wide, clamped sums ran (not in float16, whose
     # range cannot reach them).
     assert " at max " in result.stdout and " range " in result.stdout
-    # Phase 2's backward ran in every dtype, plain and normed, its partial
+    # Phase 2's backward ran in every dtype, with and without out_weight, its partial
     # rows summed (z, dw), and on the rare tokens (not in float16).
     lines = [line for line in result.stdout.splitlines() if "merge backward" in line]
     for dtype in DTYPES:
         for what in (" z:", " norm", " dw:"):
             assert any(dtype in line and what in line for line in lines), (dtype, what)
     assert any("range" in line and "norm" in line for line in lines)
-    # Phase 1's backward too: every dtype, reader 0 normed, the lse gradient
+    # Phase 1's backward too: every dtype, reader 0 with out_weight, the lse gradient
     # alone, the source table's overflow, and the rare tokens.
     lines = [line for line in result.stdout.splitlines() if "reads backward" in line]
     for dtype in DTYPES:

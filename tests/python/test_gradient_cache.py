@@ -85,7 +85,7 @@ def _forward_outputs(which, dtype):
     w = 1 + 0.1 * torch.randn(q.shape[0], generator=torch.Generator().manual_seed(1), dtype=q.dtype)
     if which == "depth_attention":
         return lambda: [attnres.depth_attention(srcs, q, g)]
-    if which == "normed":
+    if which == "out_norm":
         return lambda: [attnres.depth_attention(srcs, q, g, out_weight=w)]
     queries, gains = torch.stack([q, -q]), torch.stack([g, g])
     if which == "block_reads":
@@ -96,7 +96,7 @@ def _forward_outputs(which, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("which", ["depth_attention", "normed", "block_reads", "block_read_merge"])
+@pytest.mark.parametrize("which", ["depth_attention", "out_norm", "block_reads", "block_read_merge"])
 def test_forward_outputs_come_from_the_cache_with_the_same_bits(which, dtype):
     call = _forward_outputs(which, dtype)
     attnres.set_cpu_gradient_cache_limit(0)

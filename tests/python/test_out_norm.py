@@ -1,8 +1,11 @@
 """The read with a fused output norm (docs/design.md §11):
 depth_attention(..., out_weight=w, out_eps=e) = RMSNorm(h, e) * w, the ops
-depth_attention_normed_fwd/bwd, AttnResResidual(out_norm="rmsnorm") and the
-example GPT with norm="rmsnorm"."""
+depth_attention_fwd/bwd, block_reads_fwd/bwd, block_read_merge_fwd/bwd and
+block_read_merge_inplace with their optional out_weight,
+AttnResResidual(out_norm="rmsnorm") and the example GPT with
+norm="rmsnorm"."""
 import functools
+import re
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from helpers import (
     STAT_REL_TOL,
     assert_rel_close,
     assert_within_eager,
+    backward_op,
     make_params,
     make_sources,
     param_dtype,
@@ -149,8 +153,8 @@ def test_gradcheck_fp64(with_gain):
 
     def fwd(*xs):
         gain = xs[6] if with_gain else None
-        y, _h, _rstd, weights, _out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-            list(xs[:4]), xs[4], gain, xs[5], 1e-6, 0.8, 1e-4, False)
+        y, _rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+            list(xs[:4]), xs[4], gain, 1e-6, 0.8, xs[5], 1e-4, False)
         return y, weights
 
     args = (*srcs, q, w, g) if with_gain else (*srcs, q, w)
@@ -158,22 +162,24 @@ def test_gradcheck_fp64(with_gain):
 
 
 def test_opcheck():
-    """torch.library.opcheck on both ops: schema, fake kernel, autograd
-    registration (the backward op through its own node)."""
+    """torch.library.opcheck on both ops with out_weight: schema, fake
+    kernel, autograd registration (the backward op through its own node)."""
     gen = torch.Generator().manual_seed(5)
     srcs = make_sources(3, (4,), 10, torch.float32, "cpu", gen, requires_grad=True)
     q, g = make_params(10, torch.float32, "cpu", gen, requires_grad=True)
     w = make_out_weight(10, torch.float32, "cpu", gen).requires_grad_()
     for keep_h in (False, True):
-        torch.library.opcheck(torch.ops.attnres.depth_attention_normed_fwd,
-                              (srcs, q, g, w, 1e-6, 1.0, 1e-5, keep_h))
-    y, h, rstd, weights, out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-        [s.detach() for s in srcs], q.detach(), g.detach(), w.detach(), 1e-6, 1.0, 1e-5, True)
+        torch.library.opcheck(torch.ops.attnres.depth_attention_fwd,
+                              (srcs, q, g, 1e-6, 1.0, w, 1e-5, keep_h))
+    torch.library.opcheck(torch.ops.attnres.depth_attention_fwd,
+                          (srcs, q, g, 1e-6, 1.0, w, None, True))  # out_eps follows eps
+    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        [s.detach() for s in srcs], q.detach(), g.detach(), 1e-6, 1.0, w.detach(), 1e-5, True)
     dy = torch.randn_like(y)
     for mask in ([True] * 6, [False, True, False, True, False, True], [True, False, False, False, True, False]):
-        torch.library.opcheck(torch.ops.attnres.depth_attention_normed_bwd,
+        torch.library.opcheck(torch.ops.attnres.depth_attention_bwd,
                               (dy, None, [s.detach() for s in srcs], q.detach(), g.detach(),
-                               w.detach(), h, rstd, weights, out_rstd, 1.0, mask))
+                               h, rstd, weights, 1.0, mask, w.detach(), out_rstd))
 
 
 def test_kept_h_is_the_plain_reads_h_and_y_its_norm():
@@ -184,15 +190,18 @@ def test_kept_h_is_the_plain_reads_h_and_y_its_norm():
         srcs = make_sources(6, (4, 3), 200, dtype, "cpu", gen)
         q, g = make_params(200, dtype, "cpu", gen)
         w = make_out_weight(200, dtype, "cpu", gen)
-        y, h, rstd, weights, out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-            srcs, q, g, w, 1e-6, 1.0, 1e-5, True)
-        h_plain, rstd_plain, weights_plain = torch.ops.attnres.depth_attention_fwd(
-            srcs, q, g, 1e-6, 1.0)
+        y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+            srcs, q, g, 1e-6, 1.0, w, 1e-5, True)
+        h_plain, rstd_plain, weights_plain, h_empty, out_rstd_empty = (
+            torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0))
         assert torch.equal(h, h_plain) and torch.equal(weights, weights_plain), dtype
         assert torch.equal(rstd, rstd_plain), dtype
         assert out_rstd.shape == (4, 3) and out_rstd.dtype == weights.dtype
-        y_none, h_none, *_ = torch.ops.attnres.depth_attention_normed_fwd(
-            srcs, q, g, w, 1e-6, 1.0, 1e-5, False)
+        # Without out_weight the norm's statistics are empty tensors.
+        assert h_empty.shape == (0,) and h_empty.dtype == dtype, dtype
+        assert out_rstd_empty.shape == (0,) and out_rstd_empty.dtype == weights.dtype, dtype
+        y_none, _, _, h_none, _ = torch.ops.attnres.depth_attention_fwd(
+            srcs, q, g, 1e-6, 1.0, w, 1e-5, False)
         assert h_none.numel() == 0 and torch.equal(y_none, y), dtype
     h64 = h_plain.double()
     expected = F.rms_norm(h64, (200,), w.double(), 1e-5)
@@ -206,13 +215,13 @@ def test_h_is_kept_for_the_backward_only_when_autograd_records():
     srcs = make_sources(3, (5,), 16, torch.float32, "cpu", gen, requires_grad=True)
     q, g = make_params(16, torch.float32, "cpu", gen, requires_grad=True)
     w = make_out_weight(16, torch.float32, "cpu", gen).requires_grad_()
-    y, h, *_ = torch.ops.attnres.depth_attention_normed_fwd(srcs, q, g, w, 1e-6, 1.0, 1e-6, False)
+    y, _, _, h, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6, False)
     assert h.numel() == 0 and y.requires_grad and not h.requires_grad
     y.sum().backward()
     assert all(s.grad is not None for s in srcs) and w.grad is not None
     with torch.no_grad():
-        y2, h2, *_ = torch.ops.attnres.depth_attention_normed_fwd(srcs, q, g, w, 1e-6, 1.0,
-                                                                   1e-6, False)
+        y2, _, _, h2, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6,
+                                                                False)
     assert h2.numel() == 0 and torch.equal(y2, y.detach())
 
 
@@ -221,16 +230,39 @@ def test_backward_op_computes_only_what_the_mask_asks():
     srcs = make_sources(3, (5,), 16, torch.float64, "cpu", gen)
     q, g = make_params(16, torch.float64, "cpu", gen)
     w = make_out_weight(16, torch.float64, "cpu", gen)
-    y, h, rstd, weights, out_rstd = torch.ops.attnres.depth_attention_normed_fwd(
-        srcs, q, g, w, 1e-6, 1.0, 1e-6, True)
+    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        srcs, q, g, 1e-6, 1.0, w, 1e-6, True)
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
-    args = (dy, None, srcs, q, g, w, h, rstd, weights, out_rstd, 1.0)
-    all_grads = torch.ops.attnres.depth_attention_normed_bwd(*args, [True] * 6)
-    some = torch.ops.attnres.depth_attention_normed_bwd(*args, [False, True, False, False, False, True])
+    args = (dy, None, srcs, q, g, h, rstd, weights, 1.0)
+
+    def bwd(mask):
+        return torch.ops.attnres.depth_attention_bwd(*args, mask, w, out_rstd)
+
+    all_grads = bwd([True] * 6)
+    some = bwd([False, True, False, False, False, True])
     assert len(some[0]) == 1 and some[1] is None and some[2] is None
     assert torch.equal(some[0][0], all_grads[0][1]) and torch.equal(some[3], all_grads[3])
-    only_w = torch.ops.attnres.depth_attention_normed_bwd(*args, [False] * 5 + [True])
+    only_w = bwd([False] * 5 + [True])
     assert only_w[0] == [] and torch.equal(only_w[3], all_grads[3])
+    # The helper passes out_weight through with every gradient wanted.
+    via_helper = backward_op(dy, srcs, q, g, h, rstd, weights, 1.0, out_weight=w,
+                             out_rstd=out_rstd)
+    for a, b in zip([*via_helper[0], *via_helper[1:]], [*all_grads[0], *all_grads[1:]]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have N + 3 = 6 entries (each source, query, norm_weight, "
+            "out_weight), got 5")):
+        bwd([True] * 5)
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have N + 2 = 5 entries (each source, query, norm_weight), got 6")):
+        torch.ops.attnres.depth_attention_bwd(*args, [True] * 6)
+    with pytest.raises(ValueError, match=re.escape("h (the forward's read) must have the "
+                                                   "sources' shape")):
+        # keep_h=False's empty h is no h for the backward.
+        torch.ops.attnres.depth_attention_bwd(dy, None, srcs, q, g, h.new_empty(0), rstd,
+                                              weights, 1.0, [True] * 6, w, out_rstd)
+    with pytest.raises(ValueError, match="out_rstd must have shape"):
+        torch.ops.attnres.depth_attention_bwd(*args, [True] * 6, w, out_rstd[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -300,11 +332,40 @@ def test_argument_errors_name_the_argument():
     with FakeTensorMode():  # the fake kernels say the same
         fsrc = [torch.empty(2, 8)]
         with pytest.raises(ValueError, match=r"out_weight must have shape \[D\] = \[8\]"):
-            torch.ops.attnres.depth_attention_normed_fwd(fsrc, torch.empty(8), None,
-                                                         torch.empty(7), 1e-6, 1.0, 1e-6, False)
+            torch.ops.attnres.depth_attention_fwd(fsrc, torch.empty(8), None, 1e-6, 1.0,
+                                                  torch.empty(7), 1e-6, False)
         with pytest.raises(ValueError, match="out_eps must be a finite number >= 0"):
-            torch.ops.attnres.depth_attention_normed_fwd(fsrc, torch.empty(8), None,
-                                                         torch.empty(8), 1e-6, 1.0, -1.0, False)
+            torch.ops.attnres.depth_attention_fwd(fsrc, torch.empty(8), None, 1e-6, 1.0,
+                                                  torch.empty(8), -1.0, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_out_eps_none_follows_eps(dtype):
+    """out_eps=None is eps (the mapping of FLA's rms_eps): the same bits as
+    passing it, in every op that takes out_weight, and different from
+    another out_eps."""
+    gen = torch.Generator().manual_seed(21)
+    srcs = make_sources(3, (4,), 16, dtype, "cpu", gen)
+    q, g = make_params(16, dtype, "cpu", gen)
+    w = make_out_weight(16, dtype, "cpu", gen)
+    eps = 0.25  # large, so that another out_eps shows
+    kw = dict(eps=eps, scale=1.0)
+    y = attnres.depth_attention(srcs, q, g, out_weight=w, **kw)
+    assert torch.equal(y, attnres.depth_attention(srcs, q, g, out_weight=w, out_eps=eps, **kw))
+    assert not torch.equal(y, attnres.depth_attention(srcs, q, g, out_weight=w, out_eps=1e-6,
+                                                      **kw))
+    qs, gs = torch.stack([q, q.flip(0)]), torch.stack([g, g.flip(0)])
+    p0 = attnres.block_reads(srcs[:2], qs, gs, out_weight=w, **kw)[0][0]
+    assert torch.equal(p0, attnres.block_reads(srcs[:2], qs, gs, out_weight=w, out_eps=eps,
+                                               **kw)[0][0])
+    partials, lse = attnres.block_reads(srcs[:2], qs, gs, **kw)
+    m = attnres.block_read_merge(partials[1], lse[1], srcs[2], qs[1], gs[1], out_weight=w, **kw)
+    assert torch.equal(m, attnres.block_read_merge(partials[1], lse[1], srcs[2], qs[1], gs[1],
+                                                   out_weight=w, out_eps=eps, **kw))
+    target = partials[1].clone()
+    attnres.ops.block_read_merge_inplace(target, lse[1], srcs[2], qs[1], gs[1], out_weight=w,
+                                         **kw)
+    assert torch.equal(target, m)
 
 
 def test_zero_tokens_and_second_derivatives():
@@ -317,7 +378,7 @@ def test_zero_tokens_and_second_derivatives():
     w = torch.ones(8, dtype=torch.float64, requires_grad=True)
     y = attnres.depth_attention(src, torch.zeros(8, dtype=torch.float64), out_weight=w)
     (g,) = torch.autograd.grad(y.pow(2).sum(), w, create_graph=True)
-    with pytest.raises(RuntimeError, match="second derivatives"):
+    with pytest.raises(RuntimeError, match="second derivatives of depth_attention"):
         g.sum().backward()
 
 
@@ -523,20 +584,23 @@ def test_merge_normed_h_is_the_plain_merge_and_inplace_equals_it(dtype):
     into partial_out; it refuses gradients."""
     gen = torch.Generator().manual_seed(13)
     y0, lse, P, q, g, w = merge_inputs(3, (4, 3), 67, dtype, gen)
-    y, h, rstd, weight, out_rstd = torch.ops.attnres.block_read_merge_normed_fwd(
-        y0, lse, P, q, g, w, 1e-6, 1.0, 1e-5, True)
-    h_plain, rstd_plain, weight_plain = torch.ops.attnres.block_read_merge_fwd(
-        y0, lse, P, q, g, 1e-6, 1.0)
+    y, rstd, weight, h, out_rstd = torch.ops.attnres.block_read_merge_fwd(
+        y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, True)
+    h_plain, rstd_plain, weight_plain, h_empty, out_rstd_empty = (
+        torch.ops.attnres.block_read_merge_fwd(y0, lse, P, q, g, 1e-6, 1.0))
     assert torch.equal(h, h_plain) and torch.equal(rstd, rstd_plain)
     assert torch.equal(weight, weight_plain)
     assert out_rstd.shape == (4, 3) and out_rstd.dtype == rstd.dtype
-    y_none, h_none, *_ = torch.ops.attnres.block_read_merge_normed_fwd(
-        y0, lse, P, q, g, w, 1e-6, 1.0, 1e-5, False)
+    # Without out_weight the norm's statistics are empty tensors.
+    assert h_empty.shape == (0,) and h_empty.dtype == dtype
+    assert out_rstd_empty.shape == (0,) and out_rstd_empty.dtype == rstd.dtype
+    y_none, _, _, h_none, _ = torch.ops.attnres.block_read_merge_fwd(
+        y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, False)
     assert h_none.numel() == 0 and torch.equal(y_none, y)
     target = y0.clone()
     out = attnres.ops.block_read_merge_inplace(target, lse, P, q, g, out_weight=w, out_eps=1e-5)
     assert out is target and torch.equal(target, y)
-    with pytest.raises(RuntimeError, match="block_read_merge_normed_inplace has no derivative"):
+    with pytest.raises(RuntimeError, match="attnres::block_read_merge_inplace has no derivative"):
         attnres.ops.block_read_merge_inplace(y0.clone(), lse, P, q, g,
                                              out_weight=w.clone().requires_grad_(),
                                              out_eps=1e-5)
@@ -570,8 +634,8 @@ def test_merge_normed_gradcheck_fp64(with_gain):
         args.append(g.detach().clone().requires_grad_())
 
     def fwd(y, l, p, qq, ww, gg=None):
-        return torch.ops.attnres.block_read_merge_normed_fwd(y, l, p, qq, gg, ww, 1e-6, 0.8, 1e-4,
-                                                             False)[0]
+        return torch.ops.attnres.block_read_merge_fwd(y, l, p, qq, gg, 1e-6, 0.8, ww, 1e-4,
+                                                      False)[0]
 
     assert torch.autograd.gradcheck(fwd, tuple(args))
 
@@ -583,29 +647,39 @@ def test_merge_normed_opcheck_and_mask():
     y0, lse, P, q, g, w = merge_inputs(3, (4,), 10, torch.float32, gen)
     leaves = [t.clone().requires_grad_() for t in (y0, lse, P, q, g, w)]
     for keep_h in (False, True):
-        torch.library.opcheck(torch.ops.attnres.block_read_merge_normed_fwd,
-                              (*leaves[:5], leaves[5], 1e-6, 1.0, 1e-5, keep_h))
-    torch.library.opcheck(torch.ops.attnres.block_read_merge_normed_inplace,
-                          (y0.clone(), lse, P, q, g, w, 1e-6, 1.0, 1e-5))
-    y, h, rstd, weight, out_rstd = torch.ops.attnres.block_read_merge_normed_fwd(
-        y0, lse, P, q, g, w, 1e-6, 1.0, 1e-5, True)
+        torch.library.opcheck(torch.ops.attnres.block_read_merge_fwd,
+                              (*leaves[:5], 1e-6, 1.0, leaves[5], 1e-5, keep_h))
+    torch.library.opcheck(torch.ops.attnres.block_read_merge_inplace,
+                          (y0.clone(), lse, P, q, g, 1e-6, 1.0, w, 1e-5))
+    y, rstd, weight, h, out_rstd = torch.ops.attnres.block_read_merge_fwd(
+        y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, True)
     dy = torch.randn(y.shape, generator=gen)
-    args = (dy, y0, P, q, g, w, h, rstd, weight, out_rstd, 1.0)
+    args = (dy, y0, P, q, g, rstd, weight, 1.0)
+    tail = (w, h, out_rstd)
     for mask in ([True] * 6, [False, True, False, True, False, True], [False] * 5 + [True]):
-        torch.library.opcheck(torch.ops.attnres.block_read_merge_normed_bwd, (*args, mask))
-    every = torch.ops.attnres.block_read_merge_normed_bwd(*args, [True] * 6)
-    some = torch.ops.attnres.block_read_merge_normed_bwd(*args, [False, True, False, False, False,
-                                                               True])
+        torch.library.opcheck(torch.ops.attnres.block_read_merge_bwd, (*args, mask, *tail))
+    every = torch.ops.attnres.block_read_merge_bwd(*args, [True] * 6, *tail)
+    some = torch.ops.attnres.block_read_merge_bwd(*args, [False, True, False, False, False, True],
+                                                  *tail)
     assert some[0] is None and some[2] is None and some[3] is None and some[4] is None
     assert torch.equal(some[1], every[1]) and torch.equal(some[5], every[5])
-    with pytest.raises(ValueError, match="output_mask must have 6 entries"):
-        torch.ops.attnres.block_read_merge_normed_bwd(*args, [True] * 5)
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have 6 entries (partial_out, lse, block_sum, query, norm_weight, "
+            "out_weight), got 5")):
+        torch.ops.attnres.block_read_merge_bwd(*args, [True] * 5, *tail)
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have 5 entries (partial_out, lse, block_sum, query, norm_weight), "
+            "got 6")):
+        torch.ops.attnres.block_read_merge_bwd(*args, [True] * 6)
+    with pytest.raises(ValueError, match=re.escape(
+            "h (the forward's read before the output norm) must have block_sum's shape")):
+        # keep_h=False's empty h is no h for the backward.
+        torch.ops.attnres.block_read_merge_bwd(*args, [True] * 6, w, h.new_empty(0), out_rstd)
     with pytest.raises(ValueError, match="out_weight must have shape"):
-        torch.ops.attnres.block_read_merge_normed_fwd(y0, lse, P, q, g, w[:3], 1e-6, 1.0, 1e-5,
-                                                      False)
+        torch.ops.attnres.block_read_merge_fwd(y0, lse, P, q, g, 1e-6, 1.0, w[:3], 1e-5, False)
     out = attnres.block_read_merge(*leaves[:5], out_weight=leaves[5])
     (gy,) = torch.autograd.grad(out.sum(), leaves[2], create_graph=True)
-    with pytest.raises(RuntimeError, match="second derivatives of block_read_merge_normed"):
+    with pytest.raises(RuntimeError, match="second derivatives of block_read_merge"):
         gy.sum().backward()
 
 
@@ -709,8 +783,8 @@ def test_block_reads_normed_ops_gradcheck_opcheck_and_determinism():
     w = make_out_weight(6, torch.float64, "cpu", gen).requires_grad_()
 
     def fwd(*xs):
-        partials, lse, *_ = torch.ops.attnres.block_reads_normed_fwd(
-            list(xs[:3]), xs[3], xs[4], xs[5], 1e-6, 0.8, 1e-4, False)
+        partials, lse, *_ = torch.ops.attnres.block_reads_fwd(
+            list(xs[:3]), xs[3], xs[4], 1e-6, 0.8, xs[5], 1e-4, False)
         return (*partials, lse)
 
     assert torch.autograd.gradcheck(fwd, (*srcs, q, g, w))
@@ -719,17 +793,34 @@ def test_block_reads_normed_ops_gradcheck_opcheck_and_determinism():
     q32 = torch.randn(3, 10, generator=gen32).requires_grad_()
     w32 = make_out_weight(10, torch.float32, "cpu", gen32).requires_grad_()
     for keep_h in (False, True):
-        torch.library.opcheck(torch.ops.attnres.block_reads_normed_fwd,
-                              (s32, q32, None, w32, 1e-6, 1.0, 1e-5, keep_h))
+        torch.library.opcheck(torch.ops.attnres.block_reads_fwd,
+                              (s32, q32, None, 1e-6, 1.0, w32, 1e-5, keep_h))
     det = [s.detach() for s in s32]
-    partials, lse, rstd, weights, h, out_rstd = torch.ops.attnres.block_reads_normed_fwd(
-        det, q32.detach(), None, w32.detach(), 1e-6, 1.0, 1e-5, True)
-    assert torch.equal(h, attnres.block_reads(det, q32.detach())[0][0])
+    partials, lse, rstd, weights, h, out_rstd = torch.ops.attnres.block_reads_fwd(
+        det, q32.detach(), None, 1e-6, 1.0, w32.detach(), 1e-5, True)
+    plain = attnres.block_reads(det, q32.detach())[0]
+    assert torch.equal(h, plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(partials[1:], plain[1:]))
+    assert out_rstd.shape == (4,) and out_rstd.dtype == torch.float32
+    _, _, _, _, h_empty, out_rstd_empty = torch.ops.attnres.block_reads_fwd(
+        det, q32.detach(), None, 1e-6, 1.0)
+    assert h_empty.shape == (0,) and out_rstd_empty.shape == (0,)
     dys = [torch.randn(p.shape, generator=gen32) for p in partials]
+    bwd_args = (dys, lse, det, q32.detach(), None, rstd, weights, 1.0)
+    tail = (w32.detach(), h, out_rstd)
     for mask in ([True] * 6, [False, True, False, True, False, True], [False] * 5 + [True]):
-        torch.library.opcheck(torch.ops.attnres.block_reads_normed_bwd,
-                              (dys, lse, det, q32.detach(), None, w32.detach(), h, rstd, weights,
-                               out_rstd, 1.0, mask))
+        torch.library.opcheck(torch.ops.attnres.block_reads_bwd, (*bwd_args, mask, *tail))
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have 6 entries (each source, queries, norm_weights, out_weight), "
+            "got 5")):
+        torch.ops.attnres.block_reads_bwd(*bwd_args, [True] * 5, *tail)
+    with pytest.raises(ValueError, match=re.escape(
+            "output_mask must have 5 entries (each source, queries, norm_weights), got 6")):
+        torch.ops.attnres.block_reads_bwd(*bwd_args, [True] * 6)
+    with pytest.raises(ValueError, match=re.escape(
+            "h (the forward's read before the output norm) must have the sources' shape")):
+        torch.ops.attnres.block_reads_bwd(*bwd_args, [True] * 6, w32.detach(), h.new_empty(0),
+                                          out_rstd)
     # The out_weight gradient: same bits on any thread count.
     big = make_sources(3, (700,), 128, torch.bfloat16, "cpu", gen32)
     qb = torch.randn(2, 128, generator=gen32)

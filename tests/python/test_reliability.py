@@ -99,18 +99,18 @@ def test_forward_meta_tensor_among_cpu_tensors_raises(position):
         attnres.depth_attention(srcs, q, g)
 
 
-BWD_POSITIONS = ["out", "rstd", "weights", "grad_out", "grad_weights", "query", "norm_weight", "source0",
+BWD_POSITIONS = ["h", "rstd", "weights", "grad_out", "grad_weights", "query", "norm_weight", "source0",
                  "source2"]
 
 
 @pytest.mark.parametrize("position", BWD_POSITIONS)
 def test_backward_meta_tensor_among_cpu_tensors_raises(position):
     srcs, q, g = _problem()
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
     dh = torch.randn_like(srcs[0])
     gw = torch.randn_like(w)
     meta = lambda t: t.to("meta")  # noqa: E731
-    if position == "out":
+    if position == "h":
         h = meta(h)
     elif position == "rstd":
         rstd = meta(rstd)
@@ -136,10 +136,10 @@ def test_backward_meta_tensor_among_cpu_tensors_raises(position):
 def test_all_meta_backward_still_traces():
     """All-meta arguments are what the fake kernel is for: shapes, no error."""
     srcs, q, g = _problem()
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
     m = lambda t: t.to("meta")  # noqa: E731
     grads, gq, gg = backward_op(m(torch.randn_like(srcs[0])), [m(s) for s in srcs], m(q), m(g), m(h),
-                                m(rstd), m(w), 1.0)
+                                m(rstd), m(w), 1.0)[:3]
     assert [x.shape for x in grads] == [s.shape for s in srcs] and gq.shape == q.shape
     assert all(x.device.type == "meta" for x in [*grads, gq, gg])
 
@@ -157,7 +157,7 @@ def test_non_finite_scale_raises(device, scale):
         attnres.depth_attention(srcs, q, g, scale=scale)
     with pytest.raises(ValueError, match="scale must be a finite number"):
         torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, scale)
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, 1.0)
     with pytest.raises(ValueError, match="scale must be a finite number"):
         backward_op(torch.randn_like(srcs[0]), srcs, q, g, h, rstd, w, scale)
     # The fake kernel (torch.compile) says the same.
@@ -426,11 +426,12 @@ def test_nested_query_and_backward_arguments_name_the_argument(quiet_nested):
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="query is a nested tensor"):
         torch.ops.attnres.depth_attention_fwd([x], torch.nested.nested_tensor([torch.zeros(4)]), None, 1e-6, 1.0)
-    h, rstd, w = torch.ops.attnres.depth_attention_fwd([x, x], torch.zeros(4), None, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd([x, x], torch.zeros(4), None, 1e-6,
+                                                                   1.0)
     nt = torch.nested.nested_tensor([torch.randn(4), torch.randn(4)])
     with pytest.raises(ValueError, match="grad_out is a nested tensor"):
         backward_op(nt, [x, x], torch.zeros(4), None, h, rstd, w, 1.0)
-    with pytest.raises(ValueError, match="out is a nested tensor"):
+    with pytest.raises(ValueError, match="h is a nested tensor"):
         backward_op(torch.randn(2, 4), [x, x], torch.zeros(4), None, nt, rstd, w, 1.0)
 
 

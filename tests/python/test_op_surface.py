@@ -1,0 +1,142 @@
+"""The op family's surface: one schema per computation with the output norm
+as an optional part, its statistics always returned, out_eps following eps,
+and the checks the optional parts bring (devices, in-place aliasing)."""
+
+import pytest
+import torch
+
+import attnres
+from attnres import reference
+
+OP_SCHEMAS = {
+    "depth_attention_fwd", "depth_attention_bwd",
+    "block_reads_fwd", "block_reads_bwd",
+    "block_read_merge_fwd", "block_read_merge_bwd", "block_read_merge_inplace",
+}
+ALLOCATOR_KNOBS = {
+    "cpu_gradient_cache_stats", "set_cpu_gradient_cache_limit", "empty_cpu_gradient_cache",
+}
+
+T, D, N = 5, 24, 3
+
+
+def _problem(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sources = [torch.randn(T, D, generator=gen, dtype=dtype) for _ in range(N)]
+    query = torch.randn(D, generator=gen, dtype=dtype)
+    norm_weight = torch.rand(D, generator=gen, dtype=dtype) + 0.5
+    out_weight = torch.rand(D, generator=gen, dtype=dtype) + 0.5
+    return sources, query, norm_weight, out_weight
+
+
+def _rms_norm(h, weight, eps):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_one_schema_per_computation():
+    registered = {
+        schema.name.split("::", 1)[1]
+        for schema in torch._C._jit_get_all_schemas()
+        if schema.name.startswith("attnres::")
+    }
+    assert registered == OP_SCHEMAS | ALLOCATOR_KNOBS
+
+
+@pytest.mark.parametrize("with_out_weight", [False, True])
+def test_forward_always_returns_the_norm_statistics(with_out_weight):
+    sources, query, norm_weight, out_weight = _problem()
+    out, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0, out_weight if with_out_weight else None, None, True)
+    ref_h = reference.depth_attention(sources, query, norm_weight)
+    if with_out_weight:
+        torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out, _rms_norm(ref_h, out_weight, 1e-6), rtol=1e-12, atol=1e-12)
+        assert out_rstd.shape == (T,)
+    else:
+        # as native_layer_norm's statistics: empty where the part is absent
+        torch.testing.assert_close(out, ref_h, rtol=1e-12, atol=1e-12)
+        assert h.numel() == 0 and out_rstd.numel() == 0
+
+
+@pytest.mark.parametrize("read", ["depth_attention", "block_reads", "block_read_merge"])
+def test_out_eps_follows_eps(read):
+    # FLA's fused_attnres(..., rms_eps=e) maps to eps=e: the output norm must
+    # use e as well unless out_eps is given.
+    sources, query, norm_weight, out_weight = _problem()
+    sources = [0.05 * s for s in sources]  # small rows, where eps matters
+    eps = 1e-2
+    h = reference.depth_attention(sources, query, norm_weight, eps=eps)
+    expected = _rms_norm(h, out_weight, eps)
+    if read == "depth_attention":
+        def run(**kw):
+            return attnres.depth_attention(sources, query, norm_weight, eps=eps, out_weight=out_weight, **kw)
+    elif read == "block_reads":
+        def run(**kw):
+            partial_outs, _ = attnres.block_reads(
+                sources, query.unsqueeze(0), norm_weight.unsqueeze(0), eps=eps, scale=1.0,
+                out_weight=out_weight, **kw)
+            return partial_outs[0]
+    else:
+        partial_outs, lse = attnres.block_reads(
+            sources[:-1], query.unsqueeze(0), norm_weight.unsqueeze(0), eps=eps, scale=1.0)
+
+        def run(**kw):
+            return attnres.block_read_merge(
+                partial_outs[0], lse[0], sources[-1], query, norm_weight, eps=eps, scale=1.0,
+                out_weight=out_weight, **kw)
+    torch.testing.assert_close(run(), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(run(out_eps=eps), expected, rtol=1e-12, atol=1e-12)
+    other = run(out_eps=1e-6)
+    assert (other - expected).abs().max() > 1e-3  # out_eps, when given, is used
+
+
+@pytest.mark.parametrize("on_meta", ["h", "out_rstd", "out_weight"])
+def test_backward_refuses_a_meta_tensor_among_cpu_tensors(on_meta):
+    # The norm's saved tensors are checked like every other input: one on the
+    # meta device must raise, never return uninitialized memory.
+    sources, query, norm_weight, out_weight = _problem()
+    _, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0, out_weight, None, True)
+    saved = {"h": h, "out_rstd": out_rstd, "out_weight": out_weight}
+    saved[on_meta] = saved[on_meta].to("meta")
+    grad = torch.randn(T, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"{on_meta}.*(on the sources' device|but the sources are on)"):
+        torch.ops.attnres.depth_attention_bwd(
+            grad, None, sources, query, norm_weight, saved["h"], rstd, weights, 1.0,
+            [True] * (N + 3), saved["out_weight"], saved["out_rstd"])
+
+
+def _merge_inputs():
+    sources, query, norm_weight, out_weight = _problem(seed=1)
+    partial_outs, lse = attnres.block_reads(
+        sources[:-1], query.unsqueeze(0), norm_weight.unsqueeze(0), eps=1e-6, scale=1.0)
+    return partial_outs[0].clone(), lse[0].clone(), sources[-1], query, norm_weight, out_weight
+
+
+@pytest.mark.parametrize("aliased", ["lse", "block_sum", "query", "norm_weight", "out_weight"])
+def test_inplace_merge_refuses_any_input_viewing_its_output(aliased):
+    partial_out, lse, block_sum, query, norm_weight, out_weight = _merge_inputs()
+    inputs = {"lse": lse, "block_sum": block_sum, "query": query,
+              "norm_weight": norm_weight, "out_weight": out_weight}
+    view = {"lse": partial_out[:, 0], "block_sum": partial_out, "query": partial_out[0],
+            "norm_weight": partial_out[1], "out_weight": partial_out[2]}[aliased]
+    inputs[aliased] = view
+    before = partial_out.clone()
+    # block_sum *is* partial_out (same tensor); the others view part of it
+    error = ValueError if aliased == "block_sum" else RuntimeError
+    words = ("partial_out and block_sum must be different tensors" if aliased == "block_sum"
+             else f"{aliased} shares memory with partial_out")
+    with pytest.raises(error, match=words):
+        torch.ops.attnres.block_read_merge_inplace(
+            partial_out, inputs["lse"], inputs["block_sum"], inputs["query"],
+            inputs["norm_weight"], 1e-6, 1.0, inputs["out_weight"], None)
+    assert torch.equal(partial_out, before)  # refused before writing
+
+
+def test_inplace_merge_matches_the_out_of_place_merge():
+    partial_out, lse, block_sum, query, norm_weight, out_weight = _merge_inputs()
+    expected = attnres.block_read_merge(
+        partial_out, lse, block_sum, query, norm_weight, eps=1e-6, scale=1.0, out_weight=out_weight)
+    torch.ops.attnres.block_read_merge_inplace(
+        partial_out, lse, block_sum, query, norm_weight, 1e-6, 1.0, out_weight, None)
+    torch.testing.assert_close(partial_out, expected, rtol=0, atol=0)
