@@ -163,6 +163,29 @@ void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor&
                     "out_rstd must be on the sources' device");
 }
 
+namespace {
+void check_mask(const c10::List<bool>& mask, size_t expected, const char* what) {
+  TORCH_CHECK_VALUE(mask.size() == expected, "output_mask must have ", expected, " entries (",
+                    what, "), got ", mask.size());
+}
+}  // namespace
+
+void check_reads_mask(const c10::List<bool>& mask, size_t n_sources, bool with_out_weight) {
+  if (with_out_weight) {
+    check_mask(mask, n_sources + 3, "each source, queries, norm_weights, out_weight");
+  } else {
+    check_mask(mask, n_sources + 2, "each source, queries, norm_weights");
+  }
+}
+
+void check_merge_mask(const c10::List<bool>& mask, bool with_out_weight) {
+  if (with_out_weight) {
+    check_mask(mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight");
+  } else {
+    check_mask(mask, 5, "partial_out, lse, block_sum, query, norm_weight");
+  }
+}
+
 DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                                  const std::optional<at::Tensor>& grad_weights,
                                  at::TensorList sources, const at::Tensor& query,

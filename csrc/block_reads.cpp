@@ -133,11 +133,6 @@ void check_merge_in_place(const at::Tensor& partial_out,
   }
 }
 
-void check_mask(const c10::List<bool>& mask, size_t expected, const char* what) {
-  TORCH_CHECK_VALUE(mask.size() == expected, "output_mask must have ", expected, " entries (",
-                    what, "), got ", mask.size());
-}
-
 // What both phase-1 backwards check first (the incoming gradients and the
 // forward's statistics); the normed one checks its own arguments after.
 DepthProblem check_reads_bwd_args(at::TensorList grad_partial_outs,
@@ -298,11 +293,7 @@ BlockReadsBackward run_block_reads_bwd(
   const auto acc = acc_dtype_for(src0.scalar_type());
   const bool normed = is_defined(out_weight);
   if (normed) check_out_norm_bwd_args(*out_weight, h, out_rstd, src0, "the sources'", p);
-  if (normed) {
-    check_mask(output_mask, p.N + 3, "each source, queries, norm_weights, out_weight");
-  } else {
-    check_mask(output_mask, p.N + 2, "each source, queries, norm_weights");
-  }
+  check_reads_mask(output_mask, p.N, normed);
   if (k.check_device) k.check_device();
   const c10::DeviceGuard guard(src0.device());
   std::vector<at::Tensor> grads = wanted_source_grads(p, src0, output_mask);
@@ -337,11 +328,7 @@ MergeBackward run_block_read_merge_bwd(
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   check_stat(rstd, "rstd", p.lead_shape, acc, block_sum);
   check_stat(weight, "weight", p.lead_shape, acc, block_sum);
-  if (normed) {
-    check_mask(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight");
-  } else {
-    check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
-  }
+  check_merge_mask(output_mask, normed);
   if (k.check_device) k.check_device();
   const c10::DeviceGuard guard(block_sum.device());
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);

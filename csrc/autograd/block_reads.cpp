@@ -20,29 +20,6 @@ using torch::autograd::variable_list;
 
 using namespace autograd_helpers;
 
-const at::Tensor* ptr(const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; }
-
-// Whether grad mode is on and any of these tensors (null: absent) requires grad.
-bool records(std::initializer_list<const at::Tensor*> inputs, at::TensorList sources = {}) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const auto& s : sources) {
-    if (s.requires_grad()) return true;
-  }
-  for (const at::Tensor* t : inputs) {
-    if (t && t->defined() && t->requires_grad()) return true;
-  }
-  return false;
-}
-
-void check_dense_optional(const std::optional<at::Tensor>& t, const char* name) {
-  if (is_defined(t)) check_dense(*t, name);
-}
-
-void check_flags(const c10::List<bool>& mask, size_t expected, const char* what) {
-  TORCH_CHECK_VALUE(mask.size() == expected, "output_mask must have ", expected, " entries (",
-                    what, "), got ", mask.size());
-}
-
 // Phase 1, with or without reader 0's output norm. With out_weight and
 // autograd recording (`record`), h_0 is kept for the backward whatever
 // keep_h says.
@@ -194,11 +171,7 @@ BlockReadsBackward block_reads_bwd_autograd(
   check_dense(queries, "queries");
   const size_t n = sources.size();
   const bool normed = is_defined(out_weight);
-  if (normed) {
-    check_flags(output_mask, n + 3, "each source, queries, norm_weights, out_weight");
-  } else {
-    check_flags(output_mask, n + 2, "each source, queries, norm_weights");
-  }
+  check_reads_mask(output_mask, n, normed);
   const variable_list all = expand_masked(
       BackwardNode<BlockReadsBwdOp>::apply(grad_partial_outs, grad_lse, sources, queries,
                                            norm_weights, rstd, weights, scale, output_mask,
@@ -249,11 +222,7 @@ MergeBackward block_read_merge_bwd_autograd(
     const c10::List<bool>& output_mask, const std::optional<at::Tensor>& out_weight,
     const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& out_rstd) {
   const bool normed = is_defined(out_weight);
-  if (normed) {
-    check_flags(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight");
-  } else {
-    check_flags(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight");
-  }
+  check_merge_mask(output_mask, normed);
   const variable_list all = expand_masked(
       BackwardNode<MergeBwdOp>::apply(grad_out, partial_out, block_sum, query, norm_weight, rstd,
                                       weight, scale, output_mask, out_weight, h, out_rstd),

@@ -87,20 +87,6 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
   }
 };
 
-// Whether autograd records a call with these inputs.
-bool records(at::TensorList sources, std::initializer_list<const at::Tensor*> params) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const auto& s : sources) {
-    if (s.requires_grad()) return true;
-  }
-  for (const at::Tensor* p : params) {
-    if (p && p->defined() && p->requires_grad()) return true;
-  }
-  return false;
-}
-
-const at::Tensor* ptr(const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; }
-
 DepthAttentionForward depth_attention_fwd_autograd(
     at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
     double eps, double scale, const std::optional<at::Tensor>& out_weight,
@@ -108,9 +94,9 @@ DepthAttentionForward depth_attention_fwd_autograd(
   // Before autograd reads the inputs' sizes (a nested tensor has none).
   check_dense_inputs(sources, "sources");
   check_dense(query, "query");
-  if (is_defined(norm_weight)) check_dense(*norm_weight, "norm_weight");
-  if (is_defined(out_weight)) check_dense(*out_weight, "out_weight");
-  const bool record = records(sources, {&query, ptr(norm_weight), ptr(out_weight)});
+  check_dense_optional(norm_weight, "norm_weight");
+  check_dense_optional(out_weight, "out_weight");
+  const bool record = records({&query, ptr(norm_weight), ptr(out_weight)}, sources);
   const variable_list out = DepthAttentionFunction::apply(
       sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h, record);
   return {out[0], out[1], out[2], out[3], out[4]};

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "attnres/arguments.h"
 #include "attnres/block_reads.h"
 #include "attnres/ops.h"
 
@@ -55,6 +56,26 @@ auto call_below_autograd(Args&&... args) {
 }
 
 inline bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+inline const at::Tensor* ptr(const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; }
+
+// Whether autograd records a call: grad mode on and any of these tensors
+// (null: absent) or of the sources requires grad.
+inline bool records(std::initializer_list<const at::Tensor*> inputs, at::TensorList sources = {}) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& s : sources) {
+    if (s.requires_grad()) return true;
+  }
+  for (const at::Tensor* t : inputs) {
+    if (t && t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+// Before autograd reads an input's sizes (a nested tensor has none).
+inline void check_dense_optional(const std::optional<at::Tensor>& t, const char* name) {
+  if (is_defined(t)) check_dense(*t, name);
+}
 
 inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;

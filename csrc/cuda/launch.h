@@ -51,7 +51,7 @@ struct ForwardParams {
   int group;  // G
   int tokens_per_cta;
   acc_t eps;
-  // The fused output norm (depth_attention_normed_fwd); norm_weight null:
+  // The fused output norm (depth_attention_fwd with out_weight); norm_weight null:
   // the plain op (out gets h). Otherwise out gets (h r) * norm_weight with
   // r = 1/sqrt(mean(h^2) + norm_eps) from the accumulation-dtype h.
   const acc_t* norm_weight;  // [D]
@@ -89,7 +89,7 @@ struct BackwardParams {
   int tokens_per_cta;
   bool stage;  // two-pass only: keep the token's rows in shared memory
                // between the passes
-  // The fused output norm (depth_attention_normed_bwd); norm_weight null:
+  // The fused output norm (depth_attention_bwd with out_weight); norm_weight null:
   // the plain op. Otherwise grad_out is dy (the gradient of (h r) * w), out
   // is the saved h (read by both the single- and the two-pass backward) and
   // dh is formed per token in registers.

@@ -176,16 +176,7 @@ def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, 
         if grad_out.device != src0.device:
             raise ValueError("grad_out must be on the sources' device")
     # The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
-    h_name = "h (the forward's read)"
-    if h is None:
-        raise ValueError(f"{h_name} must be a tensor")
-    _check_dense(h, h_name)
-    if h.shape != src0.shape:
-        raise ValueError(f"{h_name} must have the sources' shape {list(src0.shape)}, got {list(h.shape)}")
-    if h.dtype != src0.dtype:
-        raise TypeError(f"{h_name} must have the sources' dtype {src0.dtype}, got {h.dtype}")
-    if h.device != src0.device:
-        raise ValueError(f"{h_name} must be on the sources' device")
+    _check_like(h, "h (the forward's read)", src0, "the sources'")
     stat_shape = [len(sources), *src0.shape[:-1]]
     acc = _acc_dtype(src0.dtype)
     for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):

@@ -58,6 +58,12 @@ void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor&
 // strides the kernels can read. check_forward_args/check_backward_args run
 // it; the autograd kernels run it first, before autograd reads the inputs'
 // sizes.
+// The two-phase backwards' output_mask: block_reads_bwd has one flag per
+// source, queries, norm_weights (and out_weight); block_read_merge_bwd five
+// (partial_out, lse, block_sum, query, norm_weight) or six with out_weight.
+void check_reads_mask(const c10::List<bool>& mask, size_t n_sources, bool with_out_weight);
+void check_merge_mask(const c10::List<bool>& mask, bool with_out_weight);
+
 void check_dense(const at::Tensor& t, const char* name, int64_t index = -1);
 void check_dense_inputs(at::TensorList tensors, const char* name);
 

@@ -173,7 +173,7 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   // h [..., D] in the stream dtype: attnres::depth_attention on
   // stream.sources() (the list itself, never stacked), or in a Block stream
   // on CPU the same h from the two-phase ops (DepthStream::read). With an
-  // output norm, RMSNorm(h) * out_weight (attnres::depth_attention_normed).
+  // output norm, RMSNorm(h) * out_weight (attnres::depth_attention with out_weight).
   at::Tensor forward(const DepthStream& stream);
   // h and the depth softmax weights [num_sources, ...] (fp32; fp64 for an
   // fp64 stream); both are differentiable.
