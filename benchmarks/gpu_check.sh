@@ -21,7 +21,8 @@
 #   5. whole-model compiled bf16 training step (24 layers, D=1024), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
-#   7. the long tests (pytest tests/python/test_cuda.py, test_ops.py -k cuda);
+#   7. the long tests (pytest tests/python/test_cuda.py, then the other files'
+#      CUDA cases with -k cuda; spread over workers when pytest-xdist is there);
 #   8. compute-sanitizer (memcheck, racecheck) on small shapes.
 # Results: benchmarks/results/ and, when $OUT is set, $OUT: the CSV rows and
 # the log go there as they are written; the rest is copied at the end and by
@@ -344,14 +345,21 @@ PY
   if ! python3 -c "import pytest" 2>/dev/null; then
     echo "pytest is not installed on this machine: the CUDA tests were NOT run (the smoke check above did)"
   elif [ "$c" -gt 15 ]; then
-    timeout -k 5 "$c" python3 -m pytest tests/python/test_cuda.py -q -rs --maxfail=25 --durations=8 \
+    # pytest-xdist, where installed, spreads the tests over CPU workers that
+    # share the GPU (the float64 references run on the CPU).
+    local xdist=""
+    python3 -c "import xdist" 2>/dev/null && [ "$DRY_RUN" != 1 ] && xdist="-n $(min 8 "$(nproc)")"
+    local half=$(( c * 2 / 3 ))
+    timeout -k 5 "$half" python3 -m pytest tests/python/test_cuda.py -q -rs $xdist --maxfail=25 --durations=8 \
       -p no:cacheprovider 2>&1 | tee "$RESULTS/tests_cuda.txt" | tail -40
     echo "test_cuda.py rc=${PIPESTATUS[0]}"
-    c=$(cap 60 "$SANITIZE_S")
-    if [ -f tests/python/test_ops.py ] && [ "$c" -gt 15 ]; then
-      timeout -k 5 "$c" python3 -m pytest tests/python/test_ops.py -q -rs -k cuda --maxfail=25 \
-        -p no:cacheprovider 2>&1 | tee "$RESULTS/tests_ops_cuda.txt" | tail -15
-      echo "test_ops.py -k cuda rc=${PIPESTATUS[0]}"
+    # The other files' CUDA cases (the device fixture's "cuda" parameter).
+    c=$(cap 90 "$SANITIZE_S")
+    if [ "$c" -gt 15 ]; then
+      timeout -k 5 "$c" python3 -m pytest tests/python/test_ops.py tests/python/test_block_reads.py \
+        tests/python/test_out_norm.py tests/python/test_reliability.py -q -rs $xdist -k cuda --maxfail=25 \
+        -p no:cacheprovider 2>&1 | tee "$RESULTS/tests_other_cuda.txt" | tail -15
+      echo "other files -k cuda rc=${PIPESTATUS[0]}"
     fi
   else
     echo "no time left for the tests"
