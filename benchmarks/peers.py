@@ -174,6 +174,14 @@ def fla_call(sources, query, gain, eps=EPS, *, impl):
 def liger_call(sources, query, gain, eps=EPS, *, impl):
     """Liger: liger_attn_res(V [N, ..., D], w_query, w_norm, eps); V stacked
     here, inside the timed call."""
+    n_elements = sources.numel() if isinstance(sources, torch.Tensor) else sum(s.numel() for s in sources)
+    if n_elements >= 2**31:
+        # Its kernels index V with i * n_tokens * D + tok * D in 32-bit
+        # integers: on an H200 the bf16 N=9 x 65536 x 4096 call returned NaN
+        # and its backward faulted, which leaves the process's CUDA context
+        # unusable for every later call.
+        raise PeerUnsupported(f"not run at >= 2^31 elements ({n_elements:.3g}): its Triton kernels "
+                              "compute offsets in 32-bit integers (an illegal memory access)")
     v = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
     return impl(v, query, _gain(query, gain), eps)
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench.py"
@@ -159,6 +160,22 @@ def test_peers_not_run_on_cpu(bench_module, monkeypatch):
     assert peers.unavailable("liger", "cuda") is None
     monkeypatch.setattr(peers, "installed", lambda name: False)
     assert "not installed" in peers.unavailable("fla", "cuda")
+
+
+def test_liger_refused_at_2_31_elements(bench_module):
+    """Liger's kernels offset V in 32-bit integers: the adapter refuses such a
+    call (before it stacks anything) instead of faulting the CUDA context."""
+    peers = bench_module.peers
+    calls = []
+    big = [torch.empty(65536, 4096, device="meta", dtype=torch.bfloat16)] * 8
+    q = torch.empty(4096, device="meta")
+    with pytest.raises(peers.PeerUnsupported, match="2\\^31 elements"):
+        peers.liger_call(big, q, None, impl=lambda *a: calls.append(a))
+    assert not calls
+    # One element fewer than 2^31 reaches the peer.
+    peers.liger_call([torch.empty(2**31 - 1, 1, device="meta")], torch.empty(1, device="meta"), None,
+                     impl=lambda *a: calls.append(a))
+    assert len(calls) == 1
 
 
 def test_model_step_tiny(tmp_path):

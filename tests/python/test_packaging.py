@@ -191,3 +191,22 @@ def test_sdist_builds_a_wheel_that_installs_and_runs(tmp_path):
     run_dir.mkdir()
     out = _run([str(vpy), "-I", "-c", SMOKE], cwd=run_dir, env=env).stdout
     assert f"attnres {version} from " in out, out
+
+
+# Symbols only a libstdc++ defines: an extension that exports them carries a
+# static copy of it whose locale state mixes with the process's shared one
+# (formatting a double into an error message then crashed).
+LIBSTDCXX_SYMBOLS = ("_ZNSo9_M_insertIdEERSoT_", "_ZNSt6locale7classicEv")
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils) to list exported symbols")
+def test_libraries_export_no_libstdcxx_symbols():
+    import attnres
+
+    libs = sorted(Path(attnres.__file__).parent.glob("*.so"))
+    assert any(p.name.startswith("libattnres") for p in libs), libs
+    for lib in libs:
+        out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                             check=True).stdout
+        exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
+        assert not exported & set(LIBSTDCXX_SYMBOLS), (lib, exported & set(LIBSTDCXX_SYMBOLS))
