@@ -133,10 +133,10 @@ IMPLS = ("attnres", "eager", "compile", "fla", "liger")
 # Not run by default: attnres's kernels under a Python autograd.Function, the
 # path the package used before autograd moved to C++ (--impls attnres,attnres_pyautograd
 # compares the two autograd paths in one run); FLA's opt-in Gluon kernels;
-# attnres_ring0: attnres with the CUDA kernels' cp.async rings off, run in a
-# process of its own with ATTNRES_CUDA_RING=0 (the switch is read once per
-# process; benchmarks/gpu_check.sh's A/B rows).
-EXTRA_IMPLS = ("attnres_pyautograd", "fla_gluon", "attnres_ring0")
+# attnres_ring1: attnres with the CUDA kernels' cp.async rings on (off by
+# default), run in a process of its own with ATTNRES_CUDA_RING=1 (the switch
+# is read once per process; benchmarks/gpu_check.sh's A/B rows).
+EXTRA_IMPLS = ("attnres_pyautograd", "fla_gluon", "attnres_ring1")
 PEER_IMPLS = tuple(peers.PEERS)
 
 # (dtype, N, tokens, D). CPU: the first row is the target configuration.
@@ -671,7 +671,7 @@ def results_md(ctx: dict, rows, skipped, elapsed_s: float, done: bool) -> str:
 
 def impl_function(impl: str, compile_mode: str, backend: str, compiled_dynamic):
     """(fn(sources, query, gain), stacked) for a non-peer implementation."""
-    if impl in ("attnres", "attnres_ring0"):
+    if impl in ("attnres", "attnres_ring1"):
         return attnres.depth_attention, False
     if impl == "attnres_pyautograd":
         return attnres_pyautograd, False
@@ -709,11 +709,11 @@ def run_benchmark(args) -> int:
         if i not in IMPLS + EXTRA_IMPLS:
             sys.exit(f"bench.py: unknown implementation {i!r} ({', '.join(IMPLS + EXTRA_IMPLS)})")
     # The ring switch is read once per process: its rows must say which it was.
-    rings_off = os.environ.get("ATTNRES_CUDA_RING") == "0"
-    if "attnres_ring0" in impls and not rings_off:
-        sys.exit("bench.py: attnres_ring0 needs ATTNRES_CUDA_RING=0 in the environment")
-    if "attnres" in impls and rings_off:
-        sys.exit("bench.py: ATTNRES_CUDA_RING=0 is set: measure attnres_ring0, not attnres")
+    rings_on = os.environ.get("ATTNRES_CUDA_RING") == "1"
+    if "attnres_ring1" in impls and not rings_on:
+        sys.exit("bench.py: attnres_ring1 needs ATTNRES_CUDA_RING=1 in the environment")
+    if "attnres" in impls and rings_on:
+        sys.exit("bench.py: ATTNRES_CUDA_RING=1 is set: measure attnres_ring1, not attnres")
     budget = args.budget_s if args.budget_s is not None else (240.0 if cuda else 0.0)
     repeats = args.repeats or (2 if args.quick else (10 if cuda else 7))
     min_run = 0.01 if args.quick else args.min_run_s

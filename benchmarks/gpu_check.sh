@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (no network; torch + CUDA toolkit + triton
 # installed, python3 without a venv), at most GPU_CHECK_TOTAL_S (default
-# 460) seconds, every stage under a time cap, results written as measured.
+# 540) seconds, every stage under a time cap, results written as measured.
 # Stages, in order (benchmarks/NOTES.md "gpu_check.sh" has the caps):
 #   1. machine info; the peers' wheels from .whl/ installed offline into
 #      $PEERS_DIR (no .whl/: the peers' rows say "not installed");
@@ -13,12 +13,13 @@
 #      forward and backward);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
-#      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=0 rows for a few
+#      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=1 rows for a few
 #      shapes that take the rings); then the fused output norm vs read +
 #      rms_norm, briefly (out_norm_stage); then two-phase vs one-call Block
 #      reads (block_reads_stage) and the example GPT's inference forward,
 #      standard vs Full vs Block (block_gpt_stage);
-#   5. whole-model compiled bf16 training step (24 layers, D=1024), one
+#   5. whole-model compiled bf16 training step (12 layers, D=1024: 24 did not
+#      finish compiling in the ~40 s the first H200 run had left), one
 #      process per implementation: attnres, fla, eager;
 #   6. benchmark, the rest of the shapes;
 #   7. the long tests (pytest tests/python/test_cuda.py, then the other files'
@@ -47,7 +48,7 @@ else
   RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}
 fi
 export GPU_CHECK_DEVICE=$DEV     # read by the Python stages below
-TOTAL_S=${GPU_CHECK_TOTAL_S:-460}
+TOTAL_S=${GPU_CHECK_TOTAL_S:-540}
 BUILD_S=${BUILD_S:-240}          # build cap
 WARM_S=${WARM_S:-200}            # peers' background warm-up cap (overlaps the build)
 SMOKE_S=${SMOKE_S:-45}
@@ -178,7 +179,8 @@ import os, torch, attnres
 from attnres.ops import block_read_merge_inplace
 DEV = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 bad = 0
-# The last two shapes take the forward's cp.async ring (plan_forward) with
+# With ATTNRES_CUDA_RING=1 (the rings are off by default; this check runs
+# the default) the last two shapes take the forward's cp.async ring with
 # more token blocks than its stages cover on an H200 (grid of 4 waves), so a
 # CTA's ring refills stages it has read: N=9 D=1024 in bf16/fp16 (2 stages,
 # 1 token per CTA: the priority shape's plan), N=17 D=128 in fp32 (3 stages,
@@ -320,7 +322,7 @@ PY
           --out-dir "$RESULTS" --append --min-run-s 0.01 --warmup 1
       else
         timeout -k 10 "$c" python3 benchmarks/bench_model.py --device cuda --impls "$impl" --out-dir "$RESULTS" \
-          --append --min-run-s 1 --warmup 2
+          --append --min-run-s 1 --warmup 2 --layers 12
       fi
       echo "bench_model.py $impl rc=$?"
     else
@@ -369,18 +371,19 @@ PY
   echo "== done in $(elapsed) s"
 }
 
-# The cp.async rings A/B (docs/design.md §7): shapes whose forward and
-# backward plans take the rings on an H200 — bf16 N=9 D=1024 (a priority
-# shape: its ring rows are the priority stage's attnres rows) and fp32 N=16
-# D=512 (2 stages each; measured here with the rings first) — again with
-# ATTNRES_CUDA_RING=0 (read once per process) as impl attnres_ring0 rows of
+# The cp.async rings A/B (docs/design.md §7): off by default since the
+# first H200 run (fp32 N=16 D=512: 3x slower with them). Shapes whose plans
+# take the rings — bf16 N=9 D=1024 (a priority shape: its rows without rings
+# are the priority stage's attnres rows) and fp32 N=16 D=512 (2 stages
+# each; measured here without the rings first) — again with
+# ATTNRES_CUDA_RING=1 (read once per process) as impl attnres_ring1 rows of
 # the same CSV. At most RING_AB_S (default 40) seconds.
 RING_AB_S=${RING_AB_S:-40}
 RING_AB_SHAPES="bf16:9:65536:1024,fp32:16:65536:512"
 ring_ab_stage() {
   local c
   c=$(cap "$RING_AB_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== rings A/B: ATTNRES_CUDA_RING=0 rows ($(elapsed) s elapsed, cap ${c} s)"
+  echo "== rings A/B: ATTNRES_CUDA_RING=1 rows ($(elapsed) s elapsed, cap ${c} s)"
   if [ "$c" -lt 20 ]; then
     echo "no time left"
     return 0
@@ -390,18 +393,18 @@ ring_ab_stage() {
     # The same code path on the CPU (the switch only matters to the CUDA kernels).
     timeout -k 5 "$half" python3 benchmarks/bench.py --device cpu --quick --shapes bf16:9:64:1024 \
       --impls attnres --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
-    echo "bench.py rings on rc=$?"
-    ATTNRES_CUDA_RING=0 timeout -k 5 "$half" python3 benchmarks/bench.py --device cpu --quick \
-      --shapes bf16:9:64:1024 --impls attnres_ring0 --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
     echo "bench.py rings off rc=$?"
+    ATTNRES_CUDA_RING=1 timeout -k 5 "$half" python3 benchmarks/bench.py --device cpu --quick \
+      --shapes bf16:9:64:1024 --impls attnres_ring1 --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
+    echo "bench.py rings on rc=$?"
   else
     timeout -k 5 "$half" python3 benchmarks/bench.py --device cuda --shapes fp32:16:65536:512 \
       --impls attnres --out-dir "$RESULTS" --append --budget-s $(( half - 10 ))
-    echo "bench.py rings on rc=$?"
-    ATTNRES_CUDA_RING=0 timeout -k 5 "$half" python3 benchmarks/bench.py --device cuda \
-      --shapes "$RING_AB_SHAPES" --impls attnres_ring0 --out-dir "$RESULTS" --append \
-      --budget-s $(( half - 10 ))
     echo "bench.py rings off rc=$?"
+    ATTNRES_CUDA_RING=1 timeout -k 5 "$half" python3 benchmarks/bench.py --device cuda \
+      --shapes "$RING_AB_SHAPES" --impls attnres_ring1 --out-dir "$RESULTS" --append \
+      --budget-s $(( half - 10 ))
+    echo "bench.py rings on rc=$?"
   fi
 }
 
@@ -545,7 +548,8 @@ cases = [  # dtype, N, T, D, layout
     (torch.float16, 17, 6, 64, "contiguous"),     # two-pass, staged, sub-warp groups
     (torch.float64, 3, 5, 70, "contiguous"),
     (torch.float64, 2, 3, 1030, "contiguous"),    # single pass, 16-byte packs, block mode
-    # The forward's cp.async ring (plan_forward: 3 stages, 2 tokens per CTA)
+    # With ATTNRES_CUDA_RING=1 (off by default, as here), the forward's
+    # cp.async ring (plan_forward: 3 stages, 2 tokens per CTA)
     # with more token blocks than its stages cover on an H200 (8192 blocks,
     # a grid of 4 waves), so CTAs refill stages they have read: shared
     # memory written by cp.async, read by the same thread after its

@@ -38,8 +38,8 @@ namespace cuda {
 namespace {
 
 // ATTNRES_CUDA_RING (parse_ring_switch, plan.h), read once: whether the
-// forward and backward take their cp.async rings where planned (the
-// default) or never ("0", for A/B measurements).
+// forward and backward take their cp.async rings where planned ("1") or
+// never (unset or "0", the default).
 bool rings_allowed() {
   static const bool allowed = parse_ring_switch(std::getenv("ATTNRES_CUDA_RING"));
   return allowed;

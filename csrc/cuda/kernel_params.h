@@ -77,7 +77,7 @@ void fill_common(Params& params, const SourceTableLayout& sources,
 // Forward plan (tile, cp.async ring or register pipeline): with the ring,
 // the caller asks the device how many CTAs of the ring kernel are resident
 // (forward_ring_grid_cap) before building the launch.
-// allow_ring = false: the register pipeline (ATTNRES_CUDA_RING=0, or a ring
+// allow_ring = false: the register pipeline (ATTNRES_CUDA_RING unset or 0, or a ring
 // kernel that cannot be resident).
 template <typename scalar_t>
 ForwardPlan forward_plan(const SourceTableLayout& sources, int64_t N, int64_t D,

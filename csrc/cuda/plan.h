@@ -174,7 +174,7 @@ inline RingShape ring_shape(const TileConfig& tile, int64_t N, int64_t budget) {
   return staged_rows_shape(tile, N, stages, kRingStageBytes, kRingBytesPerCta, budget);
 }
 
-// allow_ring = false (ATTNRES_CUDA_RING=0): never the ring.
+// allow_ring = false (ATTNRES_CUDA_RING unset or 0): never the ring.
 inline ForwardPlan plan_forward(int64_t N, int64_t D, bool vector_ok, int natural,
                                 int64_t smem_optin_bytes, bool allow_ring = true) {
   ForwardPlan plan;
@@ -290,14 +290,15 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
 }
 
 // The run-time switch ATTNRES_CUDA_RING (value: the variable's text, or
-// null when unset): unset or "1" = the forward and backward rings where
-// their plans take them (the default), "0" = never (for A/B measurements).
+// null when unset): "1" = the forward and backward rings where their plans
+// take them; unset or "0" = never (the default: on an H200 the rings made
+// fp32 N = 16, D = 512 three times slower, benchmarks/results/NOTES.md).
 // Any other value is refused.
 inline bool parse_ring_switch(const char* value) {
-  if (value == nullptr || std::string(value) == "1") return true;
-  TORCH_CHECK(std::string(value) == "0", "attnres: ATTNRES_CUDA_RING must be unset, \"1\" (the ",
-              "cp.async rings where planned) or \"0\" (never), not \"", value, "\"");
-  return false;
+  if (value == nullptr || std::string(value) == "0") return false;
+  TORCH_CHECK(std::string(value) == "1", "attnres: ATTNRES_CUDA_RING must be unset, \"0\" (never ",
+              "the cp.async rings, the default) or \"1\" (rings where planned), not \"", value, "\"");
+  return true;
 }
 
 }  // namespace cuda

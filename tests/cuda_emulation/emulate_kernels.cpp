@@ -858,7 +858,7 @@ int main(int argc, char** argv) {
     const bool ok = forward_ring_grid_cap(264) == 4 * 264 && forward_ring_grid_cap(0) == 4;
     failures += ok ? 0 : 1;
     std::printf("%s forward_ring_grid_cap: 4 waves, at least one CTA's worth\n", ok ? "ok  " : "FAIL");
-    // allow_ring = false (ATTNRES_CUDA_RING=0): the register pipeline.
+    // allow_ring = false (ATTNRES_CUDA_RING unset or 0): the register pipeline.
     const ForwardPlan off = plan_forward(9, 1024, true, 8, kH200, false);
     const bool off_ok = off.ring_stages == 0 && off.smem_bytes == 0 && off.tile.tokens_per_cta == 8;
     failures += off_ok ? 0 : 1;
@@ -944,9 +944,9 @@ int main(int argc, char** argv) {
                   int(pc.want_stage), pc.want_vpt, pc.want_group, pc.want_tpc, pc.want_smem);
     }
   }
-  // ATTNRES_CUDA_RING: unset or "1" = rings, "0" = none, anything else refused.
+  // ATTNRES_CUDA_RING: "1" = rings, unset or "0" = none, anything else refused.
   {
-    bool ok = parse_ring_switch(nullptr) && parse_ring_switch("1") && !parse_ring_switch("0");
+    bool ok = !parse_ring_switch(nullptr) && parse_ring_switch("1") && !parse_ring_switch("0");
     for (const char* bad : {"", "2", "yes", "01"}) {
       bool refused = false;
       try {
@@ -957,7 +957,7 @@ int main(int argc, char** argv) {
       ok = ok && refused;
     }
     failures += ok ? 0 : 1;
-    std::printf("%s ATTNRES_CUDA_RING: unset/1 -> rings, 0 -> none, other values refused\n",
+    std::printf("%s ATTNRES_CUDA_RING: 1 -> rings, unset/0 -> none, other values refused\n",
                 ok ? "ok  " : "FAIL");
   }
   auto run = [&](auto tag, std::vector<Case> cases) {

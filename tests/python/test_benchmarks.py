@@ -431,8 +431,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert (out / "gpu_check.log").read_text() == log
     bench_rows = list(csv.DictReader(open(next(out.glob("cpu_quick_*.csv")), newline="")))
     assert any(r["impl"] == "attnres" and float(r["ms"]) > 0 for r in bench_rows)
-    # The rings' A/B rows (ATTNRES_CUDA_RING=0 in a process of its own).
-    assert any(r["impl"] == "attnres_ring0" and float(r["ms"]) > 0 for r in bench_rows)
+    # The rings' A/B rows (ATTNRES_CUDA_RING=1 in a process of its own).
+    assert any(r["impl"] == "attnres_ring1" and float(r["ms"]) > 0 for r in bench_rows)
     model_rows = list(csv.DictReader(open(next(out.glob("cpu_model_tiny_*.csv")), newline="")))
     assert {r["impl"] for r in model_rows} >= {"attnres", "eager"}
     assert "| bf16 N, T, D | pass |" in (results / "gpu_out_norm.md").read_text()
