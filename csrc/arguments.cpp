@@ -10,6 +10,8 @@
 
 namespace attnres {
 
+std::string py_dtype(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
+
 void check_dense(const at::Tensor& t, const char* name, int64_t index) {
   if (!t.is_nested() && t.layout() == at::kStrided) return;
   const std::string what =
@@ -58,9 +60,9 @@ void check_parameter(const at::Tensor& p, const char* name,
                        (p.scalar_type() == at::kFloat &&
                         is_reduced(src0.scalar_type())),
                    name, " must have the sources' dtype (",
-                   src0.scalar_type(),
+                   py_dtype(src0.scalar_type()),
                    ") or float32 when the sources are bfloat16/float16, got ",
-                   p.scalar_type());
+                   py_dtype(p.scalar_type()));
   TORCH_CHECK_VALUE(p.device() == src0.device(), name, " is on device ",
                     p.device(), " but the sources are on device ",
                     src0.device());
@@ -92,7 +94,7 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   TORCH_CHECK_TYPE(is_supported_dtype(src0.scalar_type()),
                    "sources must be float64, float32, bfloat16 or float16, "
                    "got ",
-                   src0.scalar_type());
+                   py_dtype(src0.scalar_type()));
   const int64_t D = src0.size(-1);
   TORCH_CHECK_VALUE(D > 0, "sources must have a non-zero last dimension D, "
                     "got shape ", src0.sizes());
@@ -104,8 +106,8 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
                       "] has shape ", s.sizes(), " but sources[0] has shape ",
                       src0.sizes(), ": all sources must have the same shape");
     TORCH_CHECK_TYPE(s.scalar_type() == src0.scalar_type(), "sources[", i,
-                     "] has dtype ", s.scalar_type(),
-                     " but sources[0] has dtype ", src0.scalar_type(),
+                     "] has dtype ", py_dtype(s.scalar_type()),
+                     " but sources[0] has dtype ", py_dtype(src0.scalar_type()),
                      ": all sources must have the same dtype");
     TORCH_CHECK_VALUE(s.device() == src0.device(), "sources[", i,
                       "] is on device ", s.device(),
@@ -121,12 +123,12 @@ DepthProblem check_forward_args(at::TensorList sources, const at::Tensor& query,
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0,
                     "eps must be a finite number >= 0, got ", eps);
   TORCH_CHECK_VALUE(eps <= limit, "eps must be finite in ", acc_name,
-                    ", the accumulation dtype of ", src0.scalar_type(),
+                    ", the accumulation dtype of ", py_dtype(src0.scalar_type()),
                     " sources (at most ", limit, "), got ", eps);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ",
                     scale);
   TORCH_CHECK_VALUE(std::fabs(scale) <= limit, "scale must be finite in ", acc_name,
-                    ", the accumulation dtype of ", src0.scalar_type(),
+                    ", the accumulation dtype of ", py_dtype(src0.scalar_type()),
                     " sources (|scale| at most ", limit, "), got ", scale);
 
   DepthProblem p;
@@ -157,8 +159,8 @@ void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor&
                     "out_rstd must have shape [...] = ", at::IntArrayRef(p.lead_shape),
                     " (one per token), got ", out_rstd->sizes());
   const auto acc = acc_dtype_for(src0.scalar_type());
-  TORCH_CHECK_TYPE(out_rstd->scalar_type() == acc, "out_rstd must have dtype ", acc, ", got ",
-                   out_rstd->scalar_type());
+  TORCH_CHECK_TYPE(out_rstd->scalar_type() == acc, "out_rstd must have dtype ", py_dtype(acc), ", got ",
+                   py_dtype(out_rstd->scalar_type()));
   TORCH_CHECK_VALUE(out_rstd->device() == src0.device(),
                     "out_rstd must be on the sources' device");
 }
@@ -204,7 +206,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                       ", got ", grad_out->sizes());
     TORCH_CHECK_TYPE(grad_out->scalar_type() == src0.scalar_type(),
                      "grad_out must have the sources' dtype ",
-                     src0.scalar_type(), ", got ", grad_out->scalar_type());
+                     py_dtype(src0.scalar_type()), ", got ", py_dtype(grad_out->scalar_type()));
     TORCH_CHECK_VALUE(grad_out->device() == src0.device(),
                       "grad_out must be on the sources' device");
   }
@@ -215,8 +217,8 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
   TORCH_CHECK_VALUE(h.sizes() == src0.sizes(), h_name, " must have the sources' shape ",
                     src0.sizes(), ", got ", h.sizes());
   TORCH_CHECK_TYPE(h.scalar_type() == src0.scalar_type(), h_name,
-                   " must have the sources' dtype ", src0.scalar_type(), ", got ",
-                   h.scalar_type());
+                   " must have the sources' dtype ", py_dtype(src0.scalar_type()), ", got ",
+                   py_dtype(h.scalar_type()));
   TORCH_CHECK_VALUE(h.device() == src0.device(), h_name, " must be on the sources' device");
   const std::vector<int64_t> stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
@@ -225,8 +227,8 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
     TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(stat_shape), name,
                       " must have shape [N, ...] = ",
                       at::IntArrayRef(stat_shape), ", got ", t.sizes());
-    TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", acc,
-                     ", got ", t.scalar_type());
+    TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", py_dtype(acc),
+                     ", got ", py_dtype(t.scalar_type()));
     TORCH_CHECK_VALUE(t.device() == src0.device(), name,
                       " must be on the sources' device");
   };

@@ -25,7 +25,6 @@ namespace {
 bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 // Python's name of a dtype ("torch.float32"), as the fake kernels print it.
-std::string py_dtype(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
 
 
 // lse and its gradient are float64 for every source dtype: the gradient the

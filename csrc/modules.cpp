@@ -5,6 +5,8 @@
 // as ValueError / TypeError.
 #include "attnres/modules.h"
 
+#include "attnres/arguments.h"  // py_dtype
+
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/rms_norm.h>
@@ -56,11 +58,6 @@ namespace {
 // backward takes <dh, P - y> from the partial output rounded to 8/11 bits,
 // which the one-call backward avoids for them (§8, §10).
 constexpr int64_t kAutoMinCompleted = 3;
-
-// Python's name of a dtype ("torch.float32"), so the messages read alike.
-std::string py_dtype(at::ScalarType dtype) {
-  return "torch." + c10::getDtypeNames(dtype).first;
-}
 
 std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
   TORCH_CHECK_VALUE(!block_size || *block_size > 0,

@@ -17,14 +17,13 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.attnres.*)
 
 _SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-# c10's names of the dtypes, as the C++ messages print them.
-_DTYPE_NAMES = {
-    torch.float64: "Double",
-    torch.float32: "Float",
-    torch.bfloat16: "BFloat16",
-    torch.float16: "Half",
-}
 _REDUCED = (torch.bfloat16, torch.float16)
+
+
+# The C++ checks are the source of truth for the messages: the fake kernels
+# print numbers as c10 does (ostream's %g); dtypes are torch.float32 etc. in both.
+def _num(value) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,23 +108,23 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     _check_number(eps, "eps")
     _check_number(scale, "scale")
     if not (eps >= 0.0 and eps != float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+        raise ValueError(f"eps must be a finite number >= 0, got {_num(eps)}")
     if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale}")
+        raise ValueError(f"scale must be a finite number, got {_num(scale)}")
     # eps and scale enter the kernels in the accumulation dtype.
     limit, acc_name = (
         (_FLOAT64_MAX, "float64") if src0.dtype == torch.float64 else (_FLOAT32_MAX, "float32")
     )
-    src_name = _DTYPE_NAMES.get(src0.dtype, str(src0.dtype))
+    src_name = str(src0.dtype)
     if eps > limit:
         raise ValueError(
             f"eps must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
-            f"(at most {limit:g}), got {eps}"
+            f"(at most {limit:g}), got {_num(eps)}"
         )
     if abs(scale) > limit:
         raise ValueError(
             f"scale must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
-            f"(|scale| at most {limit:g}), got {scale}"
+            f"(|scale| at most {limit:g}), got {_num(scale)}"
         )
 
 
@@ -246,7 +245,7 @@ def check_out_norm_args(out_weight, out_eps, src0: torch.Tensor) -> None:
     if not (0.0 <= out_eps <= limit):
         raise ValueError(
             "out_eps must be a finite number >= 0 (finite in the accumulation dtype), "
-            f"got {out_eps}"
+            f"got {_num(out_eps)}"
         )
 
 

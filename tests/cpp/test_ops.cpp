@@ -793,7 +793,7 @@ TEST_F(BadInput, IntegerSources) {
   for (const auto& t : sources) s.push_back(t.to(at::kInt));
   expect_error<c10::TypeError>(
       forward(s, query.to(at::kInt), std::nullopt),
-      "sources must be float64, float32, bfloat16 or float16, got Int");
+      "sources must be float64, float32, bfloat16 or float16, got torch.int32");
 }
 
 TEST_F(BadInput, ZeroWidth) {
@@ -827,7 +827,7 @@ TEST_F(BadInput, BackwardStatisticsAndGradOut) {
                                 "rstd must have shape [N, ...] = [3, 4]");
   expect_error<c10::TypeError>(
       backward(grad_out, rstd, weights.to(at::kDouble), h),
-      "weights must have dtype Float");
+      "weights must have dtype torch.float32");
   // The forward's h (saved for the single-pass backward): the sources'
   // shape and dtype.
   expect_error<c10::ValueError>(

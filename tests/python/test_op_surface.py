@@ -140,3 +140,127 @@ def test_inplace_merge_matches_the_out_of_place_merge():
     torch.ops.attnres.block_read_merge_inplace(
         partial_out, lse, block_sum, query, norm_weight, 1e-6, 1.0, out_weight, None)
     torch.testing.assert_close(partial_out, expected, rtol=0, atol=0)
+
+
+# ---- every C++ check against the fake kernels ------------------------------
+# Each case: a name and a function of a namespace of valid inputs returning
+# (op, args) with one argument broken. The C++ checks (csrc/arguments.cpp,
+# csrc/block_reads.cpp) are the source of truth; the fake kernels that
+# torch.compile/export trace with must refuse the same input with the same
+# exception type and the same first line.
+def _valid():
+    gen = torch.Generator().manual_seed(3)
+    f32 = dict(dtype=torch.float32)
+    ns = type("Inputs", (), {})()
+    ns.src = [torch.randn(T, D, generator=gen, **f32) for _ in range(N)]
+    ns.q = torch.randn(D, generator=gen, **f32)
+    ns.w = torch.rand(D, generator=gen, **f32) + 0.5
+    ns.ow = torch.rand(D, generator=gen, **f32) + 0.5
+    ns.qs = torch.randn(2, D, generator=gen, **f32)
+    out, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        ns.src, ns.q, ns.w, 1e-6, 1.0, ns.ow, 1e-5, True)
+    ns.y, ns.rstd, ns.weights, ns.h, ns.out_rstd = out, rstd, weights, h, out_rstd
+    ns.dh = torch.randn(T, D, generator=gen, **f32)
+    parts, lse, r1, a1, _, _ = torch.ops.attnres.block_reads_fwd(ns.src, ns.qs, None, 1e-6, 1.0)
+    ns.parts, ns.lse, ns.r1, ns.a1 = parts, lse, r1, a1
+    _, ns.rm, ns.am, _, _ = torch.ops.attnres.block_read_merge_fwd(
+        parts[1], lse[1], ns.src[0], ns.qs[1], None, 1e-6, 1.0)
+    return ns
+
+
+ops = torch.ops.attnres
+BAD_INPUTS = {
+    # depth_attention_fwd (check_forward_args, check_out_norm_args)
+    "fwd: no sources": lambda v: (ops.depth_attention_fwd, ([], v.q, None, 1e-6, 1.0)),
+    "fwd: 0-dim source": lambda v: (ops.depth_attention_fwd, ([torch.tensor(1.0)], v.q, None, 1e-6, 1.0)),
+    "fwd: int sources": lambda v: (ops.depth_attention_fwd, ([s.int() for s in v.src], v.q, None, 1e-6, 1.0)),
+    "fwd: D = 0": lambda v: (ops.depth_attention_fwd, ([torch.randn(3, 0)], torch.randn(0), None, 1e-6, 1.0)),
+    "fwd: shapes differ": lambda v: (ops.depth_attention_fwd, ([v.src[0], v.src[1][:2]], v.q, None, 1e-6, 1.0)),
+    "fwd: dtypes differ": lambda v: (ops.depth_attention_fwd, ([v.src[0], v.src[1].double()], v.q, None, 1e-6, 1.0)),
+    "fwd: sparse source": lambda v: (ops.depth_attention_fwd, ([v.src[0].to_sparse()], v.q, None, 1e-6, 1.0)),
+    "fwd: query shape": lambda v: (ops.depth_attention_fwd, (v.src, v.q[:-1], None, 1e-6, 1.0)),
+    "fwd: query dtype": lambda v: (ops.depth_attention_fwd, (v.src, v.q.double(), None, 1e-6, 1.0)),
+    "fwd: gain shape": lambda v: (ops.depth_attention_fwd, (v.src, v.q, v.w[:3], 1e-6, 1.0)),
+    "fwd: negative eps": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, -1e-3, 1.0)),
+    "fwd: eps beyond float32": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e39, 1.0)),
+    "fwd: NaN scale": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e-6, float("nan"))),
+    "fwd: scale beyond float32": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e-6, 1e39)),
+    "fwd: out_weight shape": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e-6, 1.0, v.ow[:2], 1e-5)),
+    "fwd: out_weight dtype": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e-6, 1.0, v.ow.double(), 1e-5)),
+    "fwd: negative out_eps": lambda v: (ops.depth_attention_fwd, (v.src, v.q, None, 1e-6, 1.0, v.ow, -1.0)),
+    # depth_attention_bwd (check_backward_args)
+    "bwd: grad_out shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh[:2], None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: grad_out dtype": lambda v: (ops.depth_attention_bwd, (
+        v.dh.double(), None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: h shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h[:2], v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: rstd dtype": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd.double(), v.weights, 1.0, [True] * (N + 2))),
+    "bwd: weights shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights[:1], 1.0, [True] * (N + 2))),
+    "bwd: grad_weights shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh, v.weights[:1], v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: output_mask length": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 1))),
+    "bwd: out_weight without out_rstd": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 3), v.ow, None)),
+    "bwd: out_rstd shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 3), v.ow, v.out_rstd[:2])),
+    # block_reads_fwd / _bwd
+    "reads: queries 1-d": lambda v: (ops.block_reads_fwd, (v.src, v.q, None, 1e-6, 1.0)),
+    "reads: queries width": lambda v: (ops.block_reads_fwd, (v.src, v.qs[:, :-1], None, 1e-6, 1.0)),
+    "reads: norm_weights shape": lambda v: (ops.block_reads_fwd, (v.src, v.qs, v.qs[:1], 1e-6, 1.0)),
+    "reads: queries dtype": lambda v: (ops.block_reads_fwd, (v.src, v.qs.double(), None, 1e-6, 1.0)),
+    "reads bwd: output_mask length": lambda v: (ops.block_reads_bwd, (
+        list(v.parts), None, v.src, v.qs, None, v.r1, v.a1, 1.0, [True] * (N + 1))),
+    "reads bwd: grad_lse dtype": lambda v: (ops.block_reads_bwd, (
+        list(v.parts), v.lse.float(), v.src, v.qs, None, v.r1, v.a1, 1.0, [True] * (N + 2))),
+    # block_read_merge_fwd / _bwd
+    "merge: lse dtype": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1].float(), v.src[0], v.qs[1], None, 1e-6, 1.0)),
+    "merge: lse shape": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1][:2], v.src[0], v.qs[1], None, 1e-6, 1.0)),
+    "merge: block_sum shape": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0][:2], v.qs[1], None, 1e-6, 1.0)),
+    "merge: block_sum dtype": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0].double(), v.qs[1], None, 1e-6, 1.0)),
+    "merge: query shape": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0], v.qs, None, 1e-6, 1.0)),
+    "merge bwd: output_mask length": lambda v: (ops.block_read_merge_bwd, (
+        v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 4)),
+    "merge bwd: rstd shape": lambda v: (ops.block_read_merge_bwd, (
+        v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm[:2], v.am, 1.0, [True] * 5)),
+    "merge in place: block_sum is the output": lambda v: (ops.block_read_merge_inplace, (
+        v.parts[1], v.lse[1], v.parts[1], v.qs[1], None, 1e-6, 1.0)),
+}
+
+
+def _outcome(op, args):
+    try:
+        op(*args)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+        return type(exc), str(exc).strip().splitlines()[0]
+    return None, "no error"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_eager_op_and_fake_kernel_refuse_alike(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args = BAD_INPUTS[case](_valid())
+    eager = _outcome(op, args)
+    assert eager[0] is not None, f"{case}: the eager op accepted it"
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def fake(x):
+        if isinstance(x, torch.Tensor):
+            return mode.from_tensor(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(fake(y) for y in x)
+        return x
+
+    fake_args = fake(args)
+    with mode:
+        traced = _outcome(op, fake_args)
+    assert traced == eager, f"{case}: eager {eager} vs fake {traced}"

@@ -9,6 +9,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace attnres {
@@ -66,6 +67,10 @@ void check_merge_mask(const c10::List<bool>& mask, bool with_out_weight);
 
 void check_dense(const at::Tensor& t, const char* name, int64_t index = -1);
 void check_dense_inputs(at::TensorList tensors, const char* name);
+
+// A dtype as Python names it (torch.float32): every check's message, C++
+// and the fake kernels alike.
+std::string py_dtype(at::ScalarType dtype);
 
 // Accumulation dtype for a source dtype: fp64 for fp64, fp32 otherwise.
 at::ScalarType acc_dtype_for(at::ScalarType source_dtype);
