@@ -744,6 +744,18 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
           const int64_t piv = pivot.index;
           acc_t dot_dh, dot_u, dot_dh_rest;
           pivot_row_dots(src.row(piv, t), h, dh_k, u, D, dot_dh, dot_u, dot_dh_rest);
+          if (pivot.saturated()) {
+            // sum_{j != p} a_j (dp_j - dp_p) from the rows themselves
+            // (Pivot::saturated): <dh, h - v_p> would carry h's rounding
+            // divided by 1 - a_p.
+            dot_dh_rest = 0;
+            for (int64_t j = 0; j < N; ++j) {
+              if (j == piv) continue;
+              acc_t dp_j, unused;
+              row_two_dots<false>(src.row(j, t), dh_k, u, D, dp_j, unused);
+              dot_dh_rest += w_p[j * T + t] * (dp_j - dot_dh);
+            }
+          }
           // sum_{j != p} a_j (gw_j - gw_p): the weights' gradient, pivoted too.
           acc_t rest_gw = 0;
           if (gw_p) {
