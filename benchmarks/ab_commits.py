@@ -59,19 +59,24 @@ print(json.dumps(out))
 """
 
 
+def run(cmd) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"ab_commits.py: {' '.join(cmd)} failed (rc {out.returncode}):\n{out.stdout[-2000:]}"
+                 f"{out.stderr[-3000:]}")
+
+
 def build(commit: str, work: Path) -> Path:
     tree = work / commit
     if not (tree / "python" / "attnres" / "libattnres.so").exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(tree), commit], check=True,
-                       capture_output=True)
+        if not (tree / "CMakeLists.txt").exists():  # a worktree left by an earlier run is reused
+            run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(tree), commit])
         import torch
 
-        subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DATTNRES_NO_CUDA=ON", "-DATTNRES_BUILD_PYTHON=ON",
-                        f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-                        f"-DPython3_EXECUTABLE={sys.executable}"], check=True, capture_output=True)
-        subprocess.run(["cmake", "--build", str(tree / "build"), "-j", os.environ.get("MAX_JOBS", "2")],
-                       check=True, capture_output=True)
+        run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
+             "-DATTNRES_NO_CUDA=ON", "-DATTNRES_BUILD_PYTHON=ON",
+             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DPython3_EXECUTABLE={sys.executable}"])
+        run(["cmake", "--build", str(tree / "build"), "-j", os.environ.get("MAX_JOBS", "2")])
         for lib in list((tree / "build").glob("_C*.so")) + [tree / "build" / "libattnres.so"]:
             (tree / "python" / "attnres" / lib.name).write_bytes(lib.read_bytes())
     return tree / "python"

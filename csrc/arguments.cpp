@@ -12,6 +12,25 @@ namespace attnres {
 
 std::string py_dtype(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
 
+namespace {
+
+// A layout as Python names it (torch.sparse_coo), as the fake kernels print it.
+const char* py_layout(at::Layout layout) {
+  switch (layout) {
+    case at::kStrided: return "torch.strided";
+    case at::kSparse: return "torch.sparse_coo";
+    case at::kSparseCsr: return "torch.sparse_csr";
+    case at::kSparseCsc: return "torch.sparse_csc";
+    case at::kSparseBsr: return "torch.sparse_bsr";
+    case at::kSparseBsc: return "torch.sparse_bsc";
+    case at::kMkldnn: return "torch._mkldnn";
+    case at::kJagged: return "torch.jagged";
+    default: return "an unknown layout";
+  }
+}
+
+}  // namespace
+
 void check_dense(const at::Tensor& t, const char* name, int64_t index) {
   if (!t.is_nested() && t.layout() == at::kStrided) return;
   const std::string what =
@@ -19,7 +38,7 @@ void check_dense(const at::Tensor& t, const char* name, int64_t index) {
   TORCH_CHECK_VALUE(!t.is_nested(), what,
                     " is a nested tensor: depth_attention takes dense (strided) "
                     "tensors; pass the components one by one or pad them");
-  TORCH_CHECK_VALUE(false, what, " has layout ", t.layout(),
+  TORCH_CHECK_VALUE(false, what, " has layout ", py_layout(t.layout()),
                     ": depth_attention takes dense (strided) tensors");
 }
 

@@ -24,9 +24,6 @@ namespace {
 
 bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// Python's name of a dtype ("torch.float32"), as the fake kernels print it.
-
-
 // lse and its gradient are float64 for every source dtype: the gradient the
 // merge sends to phase 1, -a_P (1 - a_P) <dh, P - y>, can exceed float32's
 // range where the read's own gradients do not (docs/design.md §10, "Range").

@@ -23,7 +23,9 @@ _REDUCED = (torch.bfloat16, torch.float16)
 # The C++ checks are the source of truth for the messages: the fake kernels
 # print numbers as c10 does (ostream's %g); dtypes are torch.float32 etc. in both.
 def _num(value) -> str:
-    return format(value, "g") if isinstance(value, float) else str(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return format(float(value), "g")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

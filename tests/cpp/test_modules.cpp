@@ -790,7 +790,7 @@ TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
 
 // A CUDA stream reads two-phase when asked (kTwoPhase), training included:
 // its output and every gradient equal the one-call reads'; kAuto reads
-// one-call on CUDA (the kernels have not run on a GPU yet).
+// one-call on CUDA (docs/design.md §10).
 TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseWhenAsked) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device (none visible)";
   at::manual_seed(9);

@@ -416,7 +416,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     log = proc.stdout
     assert proc.returncode == 0, f"stdout:\n{log[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
     for expected in ("DRY RUN on the CPU", "attnres CPU kernels registered: True",
-                     "smoke check: 0 failure(s)", "smoke rc=0", "bench.py priority rc=0",
+                     "smoke check: 0 failure(s)", "smoke rc=0", "smoke rings rc=0", "bench.py priority rc=0",
                      "bench.py rings on rc=0", "bench.py rings off rc=0",
                      "out_norm stage rc=0", "block_reads stage rc=0", "block_gpt stage rc=0",
                      "bench_model.py attnres rc=0", "bench_model.py eager rc=0",

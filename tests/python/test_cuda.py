@@ -580,7 +580,7 @@ def test_block_reads_backward_kernel_matches_float64(dtype, n, s, d, out_norm):
 def test_cuda_block_stream_reads_two_phase_when_asked(dtype, monkeypatch):
     """A CUDA Block stream asked for "two_phase" reads two-phase, under
     no_grad and in training, with the one-call result and gradients; "auto"
-    reads one-call on CUDA (the kernels have not run on a GPU yet)."""
+    reads one-call on CUDA (docs/design.md §10)."""
     import attnres.modules as modules_mod
 
     calls = {"phase1": 0}

@@ -14,8 +14,8 @@ import attnres
 from attnres import ops
 from float64_reference import depth_attention_ref, forward_and_grads
 from float64_reference import rel_err
-from helpers import (DEVICES, GRAD_REL_TOL, RANGE_MAGNITUDES, REL_TOL, STAT_REL_TOL, backward_op,
-                     extreme_sources, param_dtype)
+from helpers import (CUDA_SKIP_REASON, DEVICES, GRAD_REL_TOL, RANGE_MAGNITUDES, REL_TOL, STAT_REL_TOL,
+                     backward_op, extreme_sources, param_dtype)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -236,8 +236,8 @@ def test_issue_example_rows_of_3e19(device):
 def test_extreme_magnitudes_forward_and_gradients(device, dtype, with_gain):
     """Finite inputs anywhere in the dtype's range: h, the weights and every
     gradient match the float64 reference (CPU; CUDA where a GPU is visible,
-    except float64 backward on CUDA beyond |v| ~ 1e150 or below ~ 1e-150,
-    docs/design.md §8)."""
+    except float64 backward on CUDA beyond |v| ~ 1e150, or below ~ 1e-150 with
+    eps = 0, docs/design.md §8)."""
     gen = torch.Generator().manual_seed(1)
     for mag in RANGE_MAGNITUDES[dtype]:
         for n, lead, d in ((2, (3,), 4), (5, (2, 3), 33), (3, (4,), 256)):
@@ -246,9 +246,11 @@ def test_extreme_magnitudes_forward_and_gradients(device, dtype, with_gain):
                 param_dtype(dtype)).to(device)
             g = (1 + 0.3 * torch.rand(d, generator=gen, dtype=torch.float64)).to(
                 param_dtype(dtype)).to(device) if with_gain else None
-            if device == "cuda" and dtype == torch.float64 and not 1e-150 < mag < 1e150:
+            if device == "cuda" and dtype == torch.float64 and mag > 1e150:
                 continue
             for eps in (1e-6, 0.0):
+                if device == "cuda" and dtype == torch.float64 and mag < 1e-150 and eps == 0.0:
+                    continue  # r^2 overflows: the same limit for tiny rows when eps does not dominate
                 _check_against_ref(srcs, q, g, dtype, eps=eps, scale=0.9,
                                    what=f"{dtype} mag={mag:g} N={n} D={d} eps={eps}")
 
@@ -482,12 +484,13 @@ def test_module_eps_of_the_wrong_type_names_the_argument(value):
 
 
 # ---- saturated depth softmax feeding an RMSNorm -----------------------------
-# One source aligned with the query (1 - a_max ~ 5e-5 to 1e-7), the read's
-# gradient coming through an RMSNorm (a separate F.rms_norm, or the fused
-# out_weight): dh is then orthogonal to h, and the query/gain gradients are a
-# small difference. The single-pass backward's <dh, h - v_p> from the rounded
-# h lost ~2^-24 / (1 - a_max) of it (fp32 query/gain 350x-37000x eager's
-# error before Pivot::saturated).
+# One source aligned with the query (median 1 - a_max 5.5e-5, 1.7e-6 and 0
+# in float64 at |q| = 1.5, 2, 3), the read's gradient coming through an
+# RMSNorm (a separate F.rms_norm, or the fused out_weight): dh is then
+# orthogonal to h, and the query/gain gradients are a small difference. The
+# single-pass backward's <dh, h - v_p> from the rounded h lost ~2^-24 /
+# (1 - a_max) of it (fp32 query/gain gradients 6.8e-5 to 1.6e-3 against
+# eager's ~3e-7 before Pivot::saturated, on the CPU).
 def _saturated_case(dtype, qnorm, device, fused, T=512, D=256, N=4):
     from attnres import reference
 
@@ -516,7 +519,13 @@ def _saturated_case(dtype, qnorm, device, fused, T=512, D=256, N=4):
             grads(reference.depth_attention, torch.float64, torch.float64))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[
+        pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON),
+        pytest.mark.xfail(strict=False, reason="the CUDA backward keeps the plain <dh, h> form "
+                          "(docs/design.md §8, 'A saturated softmax feeding a norm': open)")]),
+])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "out_weight"])
 def test_saturated_read_feeding_a_norm_keeps_eager_accuracy(device, dtype, fused):

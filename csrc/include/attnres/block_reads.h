@@ -1,8 +1,8 @@
 // C++ API of the two-phase Block read ops (docs/design.md §10), called
 // through the dispatcher like ops.h (autograd is registered in C++). CPU
 // and CUDA kernels for every op (attnres::DepthStream reads two-phase on
-// CUDA only under BlockReads::kTwoPhase: the CUDA kernels have not run on a
-// GPU yet).
+// CUDA only under BlockReads::kTwoPhase: on an H200 two-phase reads were
+// slower than one-call at S = 2, docs/design.md §10).
 //
 //   // phase 1, once per block: the completed sources C, the block's S readers
 //   auto [partials, lse] = attnres::block_reads(completed, queries, gains);
