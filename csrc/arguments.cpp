@@ -169,19 +169,25 @@ void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
                     "dtype), got ", out_eps);
 }
 
-void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor& src0,
-                    const DepthProblem& p) {
-  TORCH_CHECK_VALUE(out_rstd.has_value() && out_rstd->defined(),
-                    "out_rstd must be a tensor (the forward's, with out_weight)");
-  check_dense(*out_rstd, "out_rstd");
-  TORCH_CHECK_VALUE(out_rstd->sizes() == at::IntArrayRef(p.lead_shape),
-                    "out_rstd must have shape [...] = ", at::IntArrayRef(p.lead_shape),
-                    " (one per token), got ", out_rstd->sizes());
-  const auto acc = acc_dtype_for(src0.scalar_type());
-  TORCH_CHECK_TYPE(out_rstd->scalar_type() == acc, "out_rstd must have dtype ", py_dtype(acc), ", got ",
-                   py_dtype(out_rstd->scalar_type()));
-  TORCH_CHECK_VALUE(out_rstd->device() == src0.device(),
-                    "out_rstd must be on the sources' device");
+void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
+                const at::Tensor& src0) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
+  check_dense(t, name);
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", py_dtype(dtype), ", got ",
+                   py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == src0.device(), name, " must be on the sources' device");
+}
+
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
+                const char* like_name) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
+  check_dense(t, name);
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have ", like_name, " shape ",
+                    like.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name,
+                   " dtype ", py_dtype(like.scalar_type()), ", got ", py_dtype(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like_name, " device");
 }
 
 namespace {
@@ -219,44 +225,16 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
   DepthProblem p = check_forward_args(sources, query, norm_weight, 0.0, scale);
   const at::Tensor& src0 = sources[0];
   if (grad_out.has_value() && grad_out->defined()) {
-    check_dense(*grad_out, "grad_out");
-    TORCH_CHECK_VALUE(grad_out->sizes() == src0.sizes(),
-                      "grad_out must have the sources' shape ", src0.sizes(),
-                      ", got ", grad_out->sizes());
-    TORCH_CHECK_TYPE(grad_out->scalar_type() == src0.scalar_type(),
-                     "grad_out must have the sources' dtype ",
-                     py_dtype(src0.scalar_type()), ", got ", py_dtype(grad_out->scalar_type()));
-    TORCH_CHECK_VALUE(grad_out->device() == src0.device(),
-                      "grad_out must be on the sources' device");
+    check_like(*grad_out, "grad_out", src0, "the sources'");
   }
   // The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
-  constexpr const char* h_name = "h (the forward's read)";
-  TORCH_CHECK_VALUE(h.defined(), h_name, " must be a tensor");
-  check_dense(h, h_name);
-  TORCH_CHECK_VALUE(h.sizes() == src0.sizes(), h_name, " must have the sources' shape ",
-                    src0.sizes(), ", got ", h.sizes());
-  TORCH_CHECK_TYPE(h.scalar_type() == src0.scalar_type(), h_name,
-                   " must have the sources' dtype ", py_dtype(src0.scalar_type()), ", got ",
-                   py_dtype(h.scalar_type()));
-  TORCH_CHECK_VALUE(h.device() == src0.device(), h_name, " must be on the sources' device");
-  const std::vector<int64_t> stat_shape = p.stat_shape();
+  check_like(h, "h (the forward's read)", src0, "the sources'");
+  const auto stat_shape = p.stat_shape();
   const auto acc = acc_dtype_for(src0.scalar_type());
-  auto check_stat = [&](const at::Tensor& t, const char* name) {
-    check_dense(t, name);
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(stat_shape), name,
-                      " must have shape [N, ...] = ",
-                      at::IntArrayRef(stat_shape), ", got ", t.sizes());
-    TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", py_dtype(acc),
-                     ", got ", py_dtype(t.scalar_type()));
-    TORCH_CHECK_VALUE(t.device() == src0.device(), name,
-                      " must be on the sources' device");
-  };
-  TORCH_CHECK_VALUE(rstd.defined(), "rstd must be a tensor");
-  TORCH_CHECK_VALUE(weights.defined(), "weights must be a tensor");
-  check_stat(rstd, "rstd");
-  check_stat(weights, "weights");
+  check_stat(rstd, "rstd", stat_shape, acc, src0);
+  check_stat(weights, "weights", stat_shape, acc, src0);
   if (grad_weights.has_value() && grad_weights->defined()) {
-    check_stat(*grad_weights, "grad_weights");
+    check_stat(*grad_weights, "grad_weights", stat_shape, acc, src0);
   }
   const bool normed = out_weight.has_value() && out_weight->defined();
   const int64_t flags = p.N + (normed ? 3 : 2);
@@ -266,7 +244,7 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
                     normed ? ", out_weight" : "", "), got ", output_mask.size());
   if (normed) {
     check_out_norm_args(*out_weight, 0.0, sources, p);
-    check_out_rstd(out_rstd, src0, p);
+    check_stat(out_rstd.value_or(at::Tensor()), "out_rstd", p.lead_shape, acc, src0);
   }
   return p;
 }

@@ -29,31 +29,6 @@ bool is_defined(const std::optional<at::Tensor>& t) { return t.has_value() && t-
 // range where the read's own gradients do not (docs/design.md §10, "Range").
 constexpr at::ScalarType kLseDtype = at::kDouble;
 
-// A statistic [lead...] / [k, lead...] in the given dtype on the sources'
-// device.
-void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType acc,
-                const at::Tensor& src0) {
-  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
-  check_dense(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == acc, name, " must have dtype ", py_dtype(acc), ", got ",
-                   py_dtype(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.device() == src0.device(), name, " must be on the sources' device");
-}
-
-// A tensor with the shape, dtype and device of `like` (owner: "block_sum's",
-// "the sources'").
-void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
-                const char* like_name) {
-  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor");
-  check_dense(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have ", like_name, " shape ",
-                    like.sizes(), ", got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name,
-                   " dtype ", py_dtype(like.scalar_type()), ", got ", py_dtype(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like_name, " device");
-}
-
 std::vector<int64_t> with_front(std::vector<int64_t> front, const std::vector<int64_t>& lead) {
   front.insert(front.end(), lead.begin(), lead.end());
   return front;

@@ -1,14 +1,15 @@
 """Python side of the torch ops: fake (meta) kernels for torch.compile and
 the public functional API (autograd is registered in C++, csrc/autograd/).
 
-The kernels live in C++ (csrc/); importing this module loads them. In eager
-mode the C++ ops check their arguments (csrc/arguments.cpp) and the Python
-wrapper checks nothing again; while tracing, the fake kernels run
-`check_args`, which raises the same words.
+The kernels live in C++ (csrc/); importing this module loads them. The C++
+checks (csrc/arguments.cpp) are the only checks of an eager call. While
+tracing, the fake kernels check what a trace depends on, the tensors'
+shapes, dtypes, devices and layouts and output_mask's length, in the C++
+order and words; the numbers (eps, scale, out_eps) and the in-place merge's
+memory overlap are checked by the real op when the traced program runs.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Union
 
@@ -18,27 +19,21 @@ from . import _C  # noqa: F401  (registers torch.ops.attnres.*)
 
 _SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _REDUCED = (torch.bfloat16, torch.float16)
-
-
-# The C++ checks are the source of truth for the messages: the fake kernels
-# print numbers as c10 does (ostream's %g); dtypes are torch.float32 etc. in both.
-def _num(value) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    return format(float(value), "g")
+# lse and its gradient are float64 for every source dtype (csrc/block_reads.cpp
+# kLseDtype): the gradient the merge sends to phase 1 can exceed float32's range
+# where the read's own gradients do not (docs/design.md §10, "Range").
+_LSE_DTYPE = torch.float64
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_FLOAT64_MAX = torch.finfo(torch.float64).max
-
+# ---- fake kernels: the trace's checks -----------------------------------------
 
 def _check_dense(t: torch.Tensor, name: str) -> None:
-    """Nested and sparse tensors: a message naming the argument (not an
-    internal error from their missing sizes or strides)."""
+    """csrc/arguments.cpp check_dense: nested and sparse tensors refused with
+    the argument's name (not an internal error from their missing strides)."""
     if t.is_nested:
         raise ValueError(
             f"{name} is a nested tensor: depth_attention takes dense (strided) tensors; "
@@ -48,14 +43,27 @@ def _check_dense(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} has layout {t.layout}: depth_attention takes dense (strided) tensors")
 
 
-def _check_number(value, name: str) -> None:
-    # bool is an int, but True as eps is a bug, not a number. SymInt/SymFloat
-    # (dynamic shapes under torch.compile) are numbers.
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+def _expect(t, name: str, shape, dtype: torch.dtype, device: torch.device,
+            owner: Optional[str] = None) -> None:
+    """The one tensor check, csrc/arguments.cpp check_stat (owner None) and
+    check_like (owner "the sources'" / "block_sum's": the shape, dtype and
+    device of that tensor)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor")
+    _check_dense(t, name)
+    of = f"{owner} " if owner else ""
+    if list(t.shape) != list(shape):
+        raise ValueError(f"{name} must have {of}shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have {of}dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        where = owner or "the sources'"
+        raise ValueError(f"{name} must be on {where} device")
 
 
 def _check_parameter(p, name: str, src0: torch.Tensor, D: int) -> None:
+    """query, norm_weight, out_weight: [D], the sources' dtype or float32 with
+    bf16/fp16 sources, the sources' device (csrc/arguments.cpp check_parameter)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape [D] = [{D}], got {type(p).__name__}")
     _check_dense(p, name)
@@ -70,13 +78,12 @@ def _check_parameter(p, name: str, src0: torch.Tensor, D: int) -> None:
         raise ValueError(f"{name} is on device {p.device} but the sources are on device {src0.device}")
 
 
-def check_args(sources, query, norm_weight, eps, scale) -> None:
-    """Same checks and words as csrc/arguments.cpp (used by the fake kernels)."""
+def check_args(sources, query, norm_weight, out_weight=None) -> torch.Tensor:
+    """The sources and parameters, as csrc/arguments.cpp check_forward_args
+    and check_out_norm_args (without their numbers); returns sources[0]."""
     if len(sources) == 0:
         raise ValueError("sources must be a non-empty list of tensors [..., D]")
     src0 = sources[0]
-    if not isinstance(src0, torch.Tensor):
-        raise TypeError(f"sources[0] must be a tensor, got {type(src0).__name__}")
     _check_dense(src0, "sources[0]")
     if src0.dim() < 1:
         raise ValueError("sources must have at least one dimension [..., D], got a 0-dim tensor")
@@ -86,8 +93,6 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     if D == 0:
         raise ValueError(f"sources must have a non-zero last dimension D, got shape {list(src0.shape)}")
     for i, s in enumerate(sources[1:], start=1):
-        if not isinstance(s, torch.Tensor):
-            raise TypeError(f"sources[{i}] must be a tensor, got {type(s).__name__}")
         _check_dense(s, f"sources[{i}]")
         if s.shape != src0.shape:
             raise ValueError(
@@ -107,110 +112,27 @@ def check_args(sources, query, norm_weight, eps, scale) -> None:
     _check_parameter(query, "query", src0, D)
     if norm_weight is not None:
         _check_parameter(norm_weight, "norm_weight", src0, D)
-    _check_number(eps, "eps")
-    _check_number(scale, "scale")
-    if not (eps >= 0.0 and eps != float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {_num(eps)}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {_num(scale)}")
-    # eps and scale enter the kernels in the accumulation dtype.
-    limit, acc_name = (
-        (_FLOAT64_MAX, "float64") if src0.dtype == torch.float64 else (_FLOAT32_MAX, "float32")
-    )
-    src_name = str(src0.dtype)
-    if eps > limit:
-        raise ValueError(
-            f"eps must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
-            f"(at most {limit:g}), got {_num(eps)}"
-        )
-    if abs(scale) > limit:
-        raise ValueError(
-            f"scale must be finite in {acc_name}, the accumulation dtype of {src_name} sources "
-            f"(|scale| at most {limit:g}), got {_num(scale)}"
-        )
+    if out_weight is not None:
+        _check_parameter(out_weight, "out_weight", src0, D)
+    return src0
 
 
-def _resolve_out_eps(out_eps, eps):
-    """out_eps as the ops take it: ``None`` follows eps."""
-    return eps if out_eps is None else out_eps
+def _check_mask(output_mask, expected: int, what: str) -> None:
+    if len(output_mask) != expected:
+        raise ValueError(f"output_mask must have {expected} entries ({what}), got {len(output_mask)}")
 
 
-def _out_norm_outputs(out_weight, out_eps, keep_h, like: torch.Tensor):
+def _empty_like_rows(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _out_norm_outputs(out_weight, keep_h, like: torch.Tensor):
     """The output norm's statistics a forward returns (h, out_rstd): empty
     tensors without out_weight, as the C++ host sequence allocates them."""
-    acc = _acc_dtype(like.dtype)
     if out_weight is None:
-        return (torch.empty((0,), dtype=like.dtype, device=like.device),
-                like.new_empty((0,), dtype=acc))
-    check_out_norm_args(out_weight, out_eps, like)
-    h = torch.empty(like.shape if keep_h else (0,), dtype=like.dtype, device=like.device)
-    return h, like.new_empty(like.shape[:-1], dtype=acc)
-
-
-@torch.library.register_fake("attnres::depth_attention_fwd")
-def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale, out_weight=None,
-                              out_eps=None, keep_h=False):
-    check_args(sources, query, norm_weight, eps, scale)
-    src0 = sources[0]
-    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, src0)
-    stat_shape = (len(sources), *src0.shape[:-1])
-    acc = _acc_dtype(src0.dtype)
-    out = torch.empty(src0.shape, dtype=src0.dtype, device=src0.device)
-    rstd = src0.new_empty(stat_shape, dtype=acc)
-    weights = src0.new_empty(stat_shape, dtype=acc)
-    return out, rstd, weights, h, out_rstd
-
-
-def check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
-                        scale, output_mask, out_weight=None, out_rstd=None) -> None:
-    """Same checks and words as csrc/arguments.cpp's check_backward_args."""
-    check_args(sources, query, norm_weight, 0.0, scale)
-    src0 = sources[0]
-    if grad_out is not None:
-        _check_dense(grad_out, "grad_out")
-        if grad_out.shape != src0.shape:
-            raise ValueError(
-                f"grad_out must have the sources' shape {list(src0.shape)}, got {list(grad_out.shape)}"
-            )
-        if grad_out.dtype != src0.dtype:
-            raise TypeError(f"grad_out must have the sources' dtype {src0.dtype}, got {grad_out.dtype}")
-        if grad_out.device != src0.device:
-            raise ValueError("grad_out must be on the sources' device")
-    # The forward's h: the backward reads <dh, h> from it (docs/design.md §2).
-    _check_like(h, "h (the forward's read)", src0, "the sources'")
-    stat_shape = [len(sources), *src0.shape[:-1]]
-    acc = _acc_dtype(src0.dtype)
-    for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
-        if t is None and name == "grad_weights":
-            continue
-        _check_dense(t, name)
-        if list(t.shape) != stat_shape:
-            raise ValueError(f"{name} must have shape [N, ...] = {stat_shape}, got {list(t.shape)}")
-        if t.dtype != acc:
-            raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
-        if t.device != src0.device:
-            raise ValueError(f"{name} must be on the sources' device")
-    extra = 3 if out_weight is not None else 2
-    if len(output_mask) != len(sources) + extra:
-        what = "query, norm_weight, out_weight" if out_weight is not None else "query, norm_weight"
-        raise ValueError(
-            f"output_mask must have N + {extra} = {len(sources) + extra} entries (each source, "
-            f"{what}), got {len(output_mask)}"
-        )
-    if out_weight is not None:
-        check_out_norm_args(out_weight, 0.0, src0)
-        if out_rstd is None:
-            raise ValueError("out_rstd must be a tensor (the forward's, with out_weight)")
-        _check_dense(out_rstd, "out_rstd")
-        if tuple(out_rstd.shape) != tuple(src0.shape[:-1]):
-            raise ValueError(
-                f"out_rstd must have shape [...] = {list(src0.shape[:-1])} (one per token), "
-                f"got {list(out_rstd.shape)}"
-            )
-        if out_rstd.dtype != acc:
-            raise TypeError(f"out_rstd must have dtype {acc}, got {out_rstd.dtype}")
-        if out_rstd.device != src0.device:
-            raise ValueError("out_rstd must be on the sources' device")
+        return like.new_empty((0,)), like.new_empty((0,), dtype=_acc_dtype(like.dtype))
+    h = _empty_like_rows(like) if keep_h else like.new_empty((0,))
+    return h, like.new_empty(like.shape[:-1], dtype=_acc_dtype(like.dtype))
 
 
 def _parameter_grads(output_mask, n, query, norm_weight, out_weight):
@@ -223,36 +145,171 @@ def _parameter_grads(output_mask, n, query, norm_weight, out_weight):
     return grad_query, grad_gain, grad_out_weight
 
 
-def _wanted_source_grads(sources, output_mask):
+def _source_grads(sources, output_mask):
     """The wanted source gradients only, in source order."""
-    return [torch.empty(s.shape, dtype=s.dtype, device=s.device)
-            for i, s in enumerate(sources) if output_mask[i]]
+    return [_empty_like_rows(s) for i, s in enumerate(sources) if output_mask[i]]
+
+
+@torch.library.register_fake("attnres::depth_attention_fwd")
+def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale, out_weight=None,
+                              out_eps=None, keep_h=False):
+    src0 = check_args(sources, query, norm_weight, out_weight)
+    stat_shape, acc = (len(sources), *src0.shape[:-1]), _acc_dtype(src0.dtype)
+    return (_empty_like_rows(src0), src0.new_empty(stat_shape, dtype=acc),
+            src0.new_empty(stat_shape, dtype=acc), *_out_norm_outputs(out_weight, keep_h, src0))
 
 
 @torch.library.register_fake("attnres::depth_attention_bwd")
 def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, h, rstd,
                               weights, scale, output_mask, out_weight=None, out_rstd=None):
-    check_backward_args(grad_out, grad_weights, sources, query, norm_weight, h, rstd, weights,
-                        scale, output_mask, out_weight, out_rstd)
-    return (_wanted_source_grads(sources, output_mask),
-            *_parameter_grads(output_mask, len(sources), query, norm_weight, out_weight))
-
-
-def check_out_norm_args(out_weight, out_eps, src0: torch.Tensor) -> None:
-    """Same checks and words as csrc/arguments.cpp's check_out_norm_args."""
-    D = src0.shape[-1]
-    _check_parameter(out_weight, "out_weight", src0, D)
-    _check_number(out_eps, "out_eps")
-    limit = _FLOAT64_MAX if src0.dtype == torch.float64 else _FLOAT32_MAX
-    if not (0.0 <= out_eps <= limit):
+    # csrc/arguments.cpp check_backward_args's order.
+    src0 = check_args(sources, query, norm_weight)
+    N, lead, acc = len(sources), list(src0.shape[:-1]), _acc_dtype(src0.dtype)
+    rows = (src0.shape, src0.dtype, src0.device, "the sources'")
+    if grad_out is not None:
+        _expect(grad_out, "grad_out", *rows)
+    _expect(h, "h (the forward's read)", *rows)
+    for name, t in (("rstd", rstd), ("weights", weights), ("grad_weights", grad_weights)):
+        if t is not None or name != "grad_weights":
+            _expect(t, name, [N, *lead], acc, src0.device)
+    extra = 3 if out_weight is not None else 2
+    if len(output_mask) != N + extra:
+        what = "query, norm_weight, out_weight" if out_weight is not None else "query, norm_weight"
         raise ValueError(
-            "out_eps must be a finite number >= 0 (finite in the accumulation dtype), "
-            f"got {_num(out_eps)}"
+            f"output_mask must have N + {extra} = {N + extra} entries (each source, "
+            f"{what}), got {len(output_mask)}"
         )
+    if out_weight is not None:
+        _check_parameter(out_weight, "out_weight", src0, src0.shape[-1])
+        _expect(out_rstd, "out_rstd", lead, acc, src0.device)
+    return (_source_grads(sources, output_mask),
+            *_parameter_grads(output_mask, N, query, norm_weight, out_weight))
 
 
-# Autograd of these ops is registered in C++ (csrc/autograd.cpp), so C++
-# callers get gradients too.
+def _check_block_reads_args(sources, queries, norm_weights) -> torch.Tensor:
+    """csrc/block_reads.cpp check_block_reads_args: queries [S, D],
+    norm_weights of their shape, then the sources and reader 0's parameters."""
+    if not isinstance(queries, torch.Tensor):
+        raise ValueError("queries must be a tensor [S, D]")
+    _check_dense(queries, "queries")
+    if queries.dim() != 2 or queries.shape[0] < 1:
+        raise ValueError(
+            f"queries must have shape [S, D] (one query per reader, S >= 1), got {list(queries.shape)}"
+        )
+    if len(sources) > 0 and sources[0].dim() >= 1 and queries.shape[1] != sources[0].shape[-1]:
+        raise ValueError(f"queries must have shape [S, D] = [{queries.shape[0]}, "
+                         f"{sources[0].shape[-1]}], got {list(queries.shape)}")
+    if norm_weights is not None:
+        _check_dense(norm_weights, "norm_weights")
+        if norm_weights.shape != queries.shape:
+            raise ValueError(f"norm_weights must have the queries' shape {list(queries.shape)}, "
+                             f"got {list(norm_weights.shape)}")
+    return check_args(sources, queries[0], None if norm_weights is None else norm_weights[0])
+
+
+def _check_out_norm_bwd(out_weight, h, out_rstd, like, owner) -> None:
+    """csrc/block_reads.cpp check_out_norm_bwd_args."""
+    _check_parameter(out_weight, "out_weight", like, like.shape[-1])
+    _expect(h, "h (the forward's read before the output norm)", like.shape, like.dtype,
+            like.device, owner)
+    _expect(out_rstd, "out_rstd", like.shape[:-1], _acc_dtype(like.dtype), like.device)
+
+
+@torch.library.register_fake("attnres::block_reads_fwd")
+def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale, out_weight=None,
+                          out_eps=None, keep_h=False):
+    src0 = _check_block_reads_args(sources, queries, norm_weights)
+    if out_weight is not None:
+        _check_parameter(out_weight, "out_weight", src0, src0.shape[-1])
+    S, N, lead, acc = queries.shape[0], len(sources), tuple(src0.shape[:-1]), _acc_dtype(src0.dtype)
+    return ([_empty_like_rows(src0) for _ in range(S)], src0.new_empty((S, *lead), dtype=_LSE_DTYPE),
+            src0.new_empty((N, *lead), dtype=acc), src0.new_empty((S, N, *lead), dtype=acc),
+            *_out_norm_outputs(out_weight, keep_h, src0))
+
+
+@torch.library.register_fake("attnres::block_reads_bwd")
+def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
+                          weights, scale, output_mask, out_weight=None, h=None, out_rstd=None):
+    # csrc/block_reads.cpp run_block_reads_bwd's order.
+    src0 = _check_block_reads_args(sources, queries, norm_weights)
+    S, N, lead, acc = queries.shape[0], len(sources), list(src0.shape[:-1]), _acc_dtype(src0.dtype)
+    if len(grad_partial_outs) not in (0, S):
+        raise ValueError(
+            f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
+        )
+    for g in grad_partial_outs:
+        _expect(g, "grad_partial_outs", src0.shape, src0.dtype, src0.device, "the sources'")
+    if grad_lse is not None:
+        _expect(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0.device)
+    _expect(rstd, "rstd", [N, *lead], acc, src0.device)
+    _expect(weights, "weights", [S, N, *lead], acc, src0.device)
+    if out_weight is not None:
+        _check_out_norm_bwd(out_weight, h, out_rstd, src0, "the sources'")
+        _check_mask(output_mask, N + 3, "each source, queries, norm_weights, out_weight")
+    else:
+        _check_mask(output_mask, N + 2, "each source, queries, norm_weights")
+    return (_source_grads(sources, output_mask),
+            *_parameter_grads(output_mask, N, queries, norm_weights, out_weight))
+
+
+def _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight) -> None:
+    """csrc/block_reads.cpp check_merge_args, then the output norm's weight."""
+    if not isinstance(block_sum, torch.Tensor):
+        raise ValueError("block_sum must be a tensor [..., D]")
+    check_args([block_sum], query, norm_weight)
+    _expect(partial_out, "partial_out", block_sum.shape, block_sum.dtype, block_sum.device,
+            "block_sum's")
+    _expect(lse, "lse", block_sum.shape[:-1], _LSE_DTYPE, block_sum.device)
+    if out_weight is not None:
+        _check_parameter(out_weight, "out_weight", block_sum, block_sum.shape[-1])
+
+
+@torch.library.register_fake("attnres::block_read_merge_fwd")
+def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                               out_weight=None, out_eps=None, keep_h=False):
+    _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
+    lead, acc = block_sum.shape[:-1], _acc_dtype(block_sum.dtype)
+    return (_empty_like_rows(block_sum), block_sum.new_empty(lead, dtype=acc),
+            block_sum.new_empty(lead, dtype=acc), *_out_norm_outputs(out_weight, keep_h, block_sum))
+
+
+@torch.library.register_fake("attnres::block_read_merge_bwd")
+def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
+                               scale, output_mask, out_weight=None, h=None, out_rstd=None):
+    # csrc/block_reads.cpp run_block_read_merge_bwd's order.
+    if not isinstance(block_sum, torch.Tensor):
+        raise ValueError("block_sum must be a tensor [..., D]")
+    check_args([block_sum], query, norm_weight)
+    rows = (block_sum.shape, block_sum.dtype, block_sum.device, "block_sum's")
+    _expect(grad_out, "grad_out", *rows)
+    _expect(partial_out, "partial_out", *rows)
+    if out_weight is not None:
+        _check_out_norm_bwd(out_weight, h, out_rstd, block_sum, "block_sum's")
+    lead, acc = block_sum.shape[:-1], _acc_dtype(block_sum.dtype)
+    _expect(rstd, "rstd", lead, acc, block_sum.device)
+    _expect(weight, "weight", lead, acc, block_sum.device)
+    if out_weight is not None:
+        _check_mask(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight")
+    else:
+        _check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight")
+    return (
+        _empty_like_rows(block_sum) if output_mask[0] else None,
+        block_sum.new_empty(lead, dtype=_LSE_DTYPE) if output_mask[1] else None,
+        _empty_like_rows(block_sum) if output_mask[2] else None,
+        *_parameter_grads([*output_mask[3:]], 0, query, norm_weight, out_weight),
+    )
+
+
+@torch.library.register_fake("attnres::block_read_merge_inplace")
+def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                                   out_weight=None, out_eps=None):
+    _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
+    return None
+
+
+# ---- the functional API ---------------------------------------------------------
+# Autograd of these ops is registered in C++ (csrc/autograd/), so C++ callers
+# get gradients too.
 
 
 def _as_float(value, name: str) -> float:
@@ -334,206 +391,6 @@ def depth_attention(
 # CPU kernels (csrc/cpu/block_reads_cpu.cpp) and CUDA kernels
 # (csrc/cuda/block_kernels.cuh) for all of them. Autograd in C++
 # (csrc/autograd/block_reads.cpp), like the ops above.
-
-
-def _check_like(t, name: str, like: torch.Tensor, like_name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor")
-    _check_dense(t, name)
-    if t.shape != like.shape:
-        raise ValueError(f"{name} must have {like_name} shape {list(like.shape)}, got {list(t.shape)}")
-    if t.dtype != like.dtype:
-        raise TypeError(f"{name} must have {like_name} dtype {like.dtype}, got {t.dtype}")
-    if t.device != like.device:
-        raise ValueError(f"{name} must be on {like_name} device")
-
-
-def _check_stat(t, name: str, shape, acc: torch.dtype, src0: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor")
-    _check_dense(t, name)
-    if list(t.shape) != list(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype != acc:
-        raise TypeError(f"{name} must have dtype {acc}, got {t.dtype}")
-    if t.device != src0.device:
-        raise ValueError(f"{name} must be on the sources' device")
-
-
-def check_block_reads_args(sources, queries, norm_weights, eps, scale) -> None:
-    """Same checks and words as csrc/block_reads.cpp (used by the fake kernels)."""
-    if not isinstance(queries, torch.Tensor):
-        raise ValueError("queries must be a tensor [S, D]")
-    _check_dense(queries, "queries")
-    if queries.dim() != 2 or queries.shape[0] < 1:
-        raise ValueError(
-            f"queries must have shape [S, D] (one query per reader, S >= 1), got {list(queries.shape)}"
-        )
-    if len(sources) > 0 and isinstance(sources[0], torch.Tensor) and sources[0].dim() >= 1:
-        D = sources[0].shape[-1]
-        if queries.shape[1] != D:
-            raise ValueError(
-                f"queries must have shape [S, D] = [{queries.shape[0]}, {D}], got {list(queries.shape)}"
-            )
-    gain0 = None
-    if norm_weights is not None:
-        _check_dense(norm_weights, "norm_weights")
-        if norm_weights.shape != queries.shape:
-            raise ValueError(
-                f"norm_weights must have the queries' shape {list(queries.shape)}, got "
-                f"{list(norm_weights.shape)}"
-            )
-        gain0 = norm_weights[0]
-    check_args(sources, queries[0], gain0, eps, scale)
-
-
-# lse and its gradient are float64 for every source dtype (csrc/block_reads.cpp
-# kLseDtype): the gradient the merge sends to phase 1 can exceed float32's range
-# where the read's own gradients do not (docs/design.md §10, "Range").
-_LSE_DTYPE = torch.float64
-
-
-@torch.library.register_fake("attnres::block_reads_fwd")
-def _block_reads_fwd_fake(sources, queries, norm_weights, eps, scale, out_weight=None,
-                          out_eps=None, keep_h=False):
-    check_block_reads_args(sources, queries, norm_weights, eps, scale)
-    src0 = sources[0]
-    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, src0)
-    S, N, lead = queries.shape[0], len(sources), tuple(src0.shape[:-1])
-    acc = _acc_dtype(src0.dtype)
-    partial_outs = [torch.empty(src0.shape, dtype=src0.dtype, device=src0.device) for _ in range(S)]
-    lse = src0.new_empty((S, *lead), dtype=_LSE_DTYPE)
-    rstd = src0.new_empty((N, *lead), dtype=acc)
-    weights = src0.new_empty((S, N, *lead), dtype=acc)
-    return partial_outs, lse, rstd, weights, h, out_rstd
-
-
-def _check_out_norm_bwd_args(out_weight, h, out_rstd, like, like_name):
-    """The output norm's checks of a Block-read backward, in the C++ order
-    (csrc/block_reads.cpp check_out_norm_bwd_args)."""
-    check_out_norm_args(out_weight, 0.0, like)
-    _check_like(h, "h (the forward's read before the output norm)", like, like_name)
-    _check_stat(out_rstd, "out_rstd", like.shape[:-1], _acc_dtype(like.dtype), like)
-
-
-def _check_mask(output_mask, expected, what):
-    if len(output_mask) != expected:
-        raise ValueError(f"output_mask must have {expected} entries ({what}), got {len(output_mask)}")
-
-
-@torch.library.register_fake("attnres::block_reads_bwd")
-def _block_reads_bwd_fake(grad_partial_outs, grad_lse, sources, queries, norm_weights, rstd,
-                          weights, scale, output_mask, out_weight=None, h=None, out_rstd=None):
-    """Same checks and words as csrc/block_reads.cpp run_block_reads_bwd."""
-    check_block_reads_args(sources, queries, norm_weights, 0.0, scale)
-    src0 = sources[0]
-    S, N, lead = queries.shape[0], len(sources), list(src0.shape[:-1])
-    acc = _acc_dtype(src0.dtype)
-    if len(grad_partial_outs) not in (0, S):
-        raise ValueError(
-            f"grad_partial_outs must hold S = {S} tensors (or none), got {len(grad_partial_outs)}"
-        )
-    for g in grad_partial_outs:
-        _check_like(g, "grad_partial_outs", src0, "the sources'")
-    if grad_lse is not None:
-        _check_stat(grad_lse, "grad_lse", [S, *lead], _LSE_DTYPE, src0)
-    _check_stat(rstd, "rstd", [N, *lead], acc, src0)
-    _check_stat(weights, "weights", [S, N, *lead], acc, src0)
-    if out_weight is not None:
-        _check_out_norm_bwd_args(out_weight, h, out_rstd, src0, "the sources'")
-        _check_mask(output_mask, N + 3, "each source, queries, norm_weights, out_weight")
-    else:
-        _check_mask(output_mask, N + 2, "each source, queries, norm_weights")
-    return (_wanted_source_grads(sources, output_mask),
-            *_parameter_grads(output_mask, N, queries, norm_weights, out_weight))
-
-
-def check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale) -> None:
-    """Same checks and words as csrc/block_reads.cpp (used by the fake kernels)."""
-    if not isinstance(block_sum, torch.Tensor):
-        raise ValueError("block_sum must be a tensor [..., D]")
-    check_args([block_sum], query, norm_weight, eps, scale)
-    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
-    _check_stat(lse, "lse", block_sum.shape[:-1], _LSE_DTYPE, block_sum)
-
-
-@torch.library.register_fake("attnres::block_read_merge_fwd")
-def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                               out_weight=None, out_eps=None, keep_h=False):
-    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
-    h, out_rstd = _out_norm_outputs(out_weight, _resolve_out_eps(out_eps, eps), keep_h, block_sum)
-    acc = _acc_dtype(block_sum.dtype)
-    lead = block_sum.shape[:-1]
-    out = torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)
-    return out, block_sum.new_empty(lead, dtype=acc), block_sum.new_empty(lead, dtype=acc), h, out_rstd
-
-
-@torch.library.register_fake("attnres::block_read_merge_bwd")
-def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
-                               scale, output_mask, out_weight=None, h=None, out_rstd=None):
-    """Same checks and words as csrc/block_reads.cpp run_block_read_merge_bwd."""
-    if not isinstance(block_sum, torch.Tensor):
-        raise ValueError("block_sum must be a tensor [..., D]")
-    check_args([block_sum], query, norm_weight, 0.0, scale)
-    _check_like(grad_out, "grad_out", block_sum, "block_sum's")
-    _check_like(partial_out, "partial_out", block_sum, "block_sum's")
-    if out_weight is not None:
-        _check_out_norm_bwd_args(out_weight, h, out_rstd, block_sum, "block_sum's")
-    acc = _acc_dtype(block_sum.dtype)
-    lead = block_sum.shape[:-1]
-    _check_stat(rstd, "rstd", lead, acc, block_sum)
-    _check_stat(weight, "weight", lead, acc, block_sum)
-    if out_weight is not None:
-        _check_mask(output_mask, 6, "partial_out, lse, block_sum, query, norm_weight, out_weight")
-    else:
-        _check_mask(output_mask, 5, "partial_out, lse, block_sum, query, norm_weight")
-    rows = lambda: torch.empty(block_sum.shape, dtype=block_sum.dtype, device=block_sum.device)  # noqa: E731
-    return (
-        rows() if output_mask[0] else None,
-        block_sum.new_empty(lead, dtype=_LSE_DTYPE) if output_mask[1] else None,
-        rows() if output_mask[2] else None,
-        *_parameter_grads([*output_mask[3:]], 0, query, norm_weight, out_weight),
-    )
-
-
-def _check_merge_in_place(partial_out, inputs) -> None:
-    """Same checks and words as csrc/block_reads.cpp check_merge_in_place."""
-    if not partial_out.is_contiguous():
-        raise ValueError("partial_out must be contiguous for block_read_merge_inplace (the read is "
-                         "written into it)")
-    for name, t in inputs:
-        if t is None:
-            continue
-        if t is partial_out:
-            raise ValueError(f"partial_out and {name} must be different tensors")
-        if _shares_memory(partial_out, t):
-            raise RuntimeError(
-                f"{name} shares memory with partial_out (some of their elements refer to a single "
-                f"memory location), which block_read_merge_inplace overwrites while it reads "
-                f"{name}: pass a tensor apart from it")
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges in one storage overlap."""
-    if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
-        return False
-    a0 = a.storage_offset() * a.element_size()
-    b0 = b.storage_offset() * b.element_size()
-    a1 = a0 + a.numel() * a.element_size()
-    extent = sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1 if b.numel() else 0
-    b1 = b0 + extent * b.element_size()
-    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
-
-
-@torch.library.register_fake("attnres::block_read_merge_inplace")
-def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                                   out_weight=None, out_eps=None):
-    check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale)
-    if out_weight is not None:
-        check_out_norm_args(out_weight, _resolve_out_eps(out_eps, eps), block_sum)
-    _check_merge_in_place(partial_out, (("block_sum", block_sum), ("lse", lse), ("query", query),
-                                        ("norm_weight", norm_weight), ("out_weight", out_weight)))
-    return None
 
 
 def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,

@@ -168,6 +168,12 @@ def _valid():
     return ns
 
 
+def _lse_viewing_the_output(v):
+    out = v.parts[1].clone()
+    lse = out.view(torch.float64)[:, 0]  # [T] float64 over the output's first columns
+    return ops.block_read_merge_inplace, (out, lse, v.src[0], v.qs[1], None, 1e-6, 1.0)
+
+
 ops = torch.ops.attnres
 BAD_INPUTS = {
     # depth_attention_fwd (check_forward_args, check_out_norm_args)
@@ -231,8 +237,48 @@ BAD_INPUTS = {
         v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 4)),
     "merge bwd: rstd shape": lambda v: (ops.block_read_merge_bwd, (
         v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm[:2], v.am, 1.0, [True] * 5)),
+    "merge: partial_out dtype": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1].double(), v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0)),
+    "merge: out_weight shape": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, v.ow[:3], None)),
+    "merge bwd: grad_out shape": lambda v: (ops.block_read_merge_bwd, (
+        v.dh[:2], v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 5)),
+    "merge bwd: weight dtype": lambda v: (ops.block_read_merge_bwd, (
+        v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am.double(), 1.0, [True] * 5)),
+    "merge bwd: out_weight without h": lambda v: (ops.block_read_merge_bwd, (
+        v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 6, v.ow, None,
+        v.out_rstd)),
+    "bwd: h dtype": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h.double(), v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: norm_weight dtype": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w.double(), v.h, v.rstd, v.weights, 1.0, [True] * (N + 2))),
+    "bwd: NaN scale": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights, float("nan"), [True] * (N + 2))),
+    "reads bwd: grad_partial_outs count": lambda v: (ops.block_reads_bwd, (
+        list(v.parts)[:1], None, v.src, v.qs, None, v.r1, v.a1, 1.0, [True] * (N + 2))),
+    "reads bwd: grad_partial_outs shape": lambda v: (ops.block_reads_bwd, (
+        [p[:2] for p in v.parts], None, v.src, v.qs, None, v.r1, v.a1, 1.0, [True] * (N + 2))),
+    "reads bwd: weights shape": lambda v: (ops.block_reads_bwd, (
+        list(v.parts), None, v.src, v.qs, None, v.r1, v.a1[:1], 1.0, [True] * (N + 2))),
+    "reads bwd: out_rstd dtype": lambda v: (ops.block_reads_bwd, (
+        list(v.parts), None, v.src, v.qs, None, v.r1, v.a1, 1.0, [True] * (N + 3), v.ow, v.h,
+        v.out_rstd.double())),
+    "reads: negative out_eps": lambda v: (ops.block_reads_fwd, (
+        v.src, v.qs, None, 1e-6, 1.0, v.ow, -1.0)),
     "merge in place: block_sum is the output": lambda v: (ops.block_read_merge_inplace, (
         v.parts[1], v.lse[1], v.parts[1], v.qs[1], None, 1e-6, 1.0)),
+    "merge in place: lse views the output": lambda v: _lse_viewing_the_output(v),
+    "merge in place: strided output": lambda v: (ops.block_read_merge_inplace, (
+        v.parts[1].t().contiguous().t(), v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0)),
+}
+# The checks of numbers (eps, scale, out_eps) and of memory (the in-place
+# merge) are the real op's: a trace accepts them, the traced program raises
+# them when it runs (test_eager_op_and_compiled_call_refuse_alike).
+RUN_TIME_CHECKS = {
+    "fwd: negative eps", "fwd: eps beyond float32", "fwd: NaN scale", "fwd: scale beyond float32",
+    "fwd: negative out_eps", "bwd: NaN scale", "reads: negative out_eps",
+    "merge in place: block_sum is the output", "merge in place: lse views the output",
+    "merge in place: strided output",
 }
 
 
@@ -270,4 +316,27 @@ def test_eager_op_and_fake_kernel_refuse_alike(case):
     fake_args = fake(args)
     with mode:
         traced = _outcome(op, fake_args, below_autograd=True)
-    assert traced == eager, f"{case}: eager {eager} vs fake {traced}"
+    if case in RUN_TIME_CHECKS:
+        assert traced == (None, "no error"), f"{case}: a number or memory check in the fake: {traced}"
+    else:
+        assert traced == eager, f"{case}: eager {eager} vs fake {traced}"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_eager_op_and_compiled_call_refuse_alike(case):
+    """torch.compile (the fake kernels while tracing, the op when the program
+    runs) refuses every bad input with the eager op's words."""
+    op, args = BAD_INPUTS[case](_valid())
+    eager = _outcome(op, args)
+    assert eager[0] is not None, f"{case}: the eager op accepted it"
+    if case == "fwd: sparse source":
+        pytest.skip("dynamo does not trace sparse tensors: it refuses the input itself")
+    torch.compiler.reset()  # a fresh trace per case, never a cached or eager fallback
+    compiled = torch.compile(lambda *a: op(*a), backend="eager", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        compiled(*args)
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    assert any(eager[1] in text for text in chain), f"{case}: eager said {eager[1]!r}, compiled {chain}"

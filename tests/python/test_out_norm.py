@@ -329,14 +329,11 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(TypeError, match="out_eps must be a number"):
         attnres.depth_attention(src, q, out_weight=torch.ones(8), out_eps="1e-6")
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():  # the fake kernels say the same
+    with FakeTensorMode():  # the fake kernels say the same of the shape (out_eps: at run time)
         fsrc = [torch.empty(2, 8)]
         with pytest.raises(ValueError, match=r"out_weight must have shape \[D\] = \[8\]"):
             torch.ops.attnres.depth_attention_fwd(fsrc, torch.empty(8), None, 1e-6, 1.0,
                                                   torch.empty(7), 1e-6, False)
-        with pytest.raises(ValueError, match="out_eps must be a finite number >= 0"):
-            torch.ops.attnres.depth_attention_fwd(fsrc, torch.empty(8), None, 1e-6, 1.0,
-                                                  torch.empty(8), -1.0, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)

@@ -49,10 +49,16 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
 void check_out_norm_args(const at::Tensor& out_weight, double out_eps,
                          at::TensorList sources, const DepthProblem& p);
 
-// A backward's out_rstd: defined, [lead...], accumulation dtype, on src0's
-// device.
-void check_out_rstd(const std::optional<at::Tensor>& out_rstd, const at::Tensor& src0,
-                    const DepthProblem& p);
+// The one tensor check of the saved statistics and incoming gradients: a
+// defined dense tensor of `shape` and `dtype` on src0's device
+// ("<name> must have shape [..], got [..]"), or, check_like, of the shape,
+// dtype and device of `like` ("<name> must have <like_name> shape ..."; like_name
+// "the sources'", "block_sum's"). The fake kernels (python/attnres/ops.py)
+// mirror these two with one helper.
+void check_stat(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
+                const at::Tensor& src0);
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
+                const char* like_name);
 
 // A dense (strided) tensor, or a ValueError naming the argument (name, or
 // name[index] when index >= 0): nested and sparse tensors have no sizes or
