@@ -1225,7 +1225,8 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 //  - per source: dp_i = <dh, v_i>, s_i = r_i <u, v_i> (reduced), then
 //    dv_i = a_i dh + alpha_i u + beta_i v_i, written once from the row in
 //    registers, and z += alpha_i v_i in registers.
-// Each source row is read from global memory once.
+// Each source row is read from global memory once (twice for a saturated
+// token, below).
 //  - two-pass (bfloat16/float16: their rounded h loses too many bits, §8):
 //    a first pass over the rows gives sum_a_dp from the saved weights, then
 //    the sweep above. v_i is needed in both passes. When the token's N rows
@@ -1233,8 +1234,11 @@ __device__ __forceinline__ void backward_fetch_rows(const BackwardParams<scalar_
 //    (cp.async) and both passes read them there; otherwise the sweep reads
 //    them again from global memory, in reverse order so the most recently
 //    read rows (likeliest in L2) go first.
-// The plain form dp_i - sum_a_dp is used (the CPU pivots when a weight
-// exceeds 1/2; here the pivot cost registers in the widest tiles, §8).
+// A token whose largest weight a_p exceeds 1/2 takes the pivoted form
+// (depth_math.h) from pass 1's lane partials: sum_{j != p} a_j dp_j and dp_p
+// reduced together, then dp_i - dp_p in the sweep. The single pass does so
+// only for a saturated token (a_p > 15/16), with a pass 1 of its own; else
+// it keeps the plain form from <dh, h>.
 // z: per-CTA partial rows, summed in a fixed order by a second kernel.
 // kNorm (the fused output norm): grad_out is dy; the prologue reads dy and
 // h once, forms dh = r (g - c n) in registers (one group reduction for
@@ -1360,8 +1364,20 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
         if (staged) copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
       }
     }
+    // The pivot (math::Pivot): a token whose largest weight a_p dominates
+    // takes sum_j a_j dp_j relative to dp_p (the pivoted form, depth_math.h),
+    // from a pass 1 over the rows: the two-pass backward's own pass 1 (its
+    // lane partials, no extra read); the single pass only for a saturated
+    // token (Pivot::saturated: its <dh, h> from the rounded h is too inexact
+    // there), whose rows it then reads twice.
+    math::Pivot<acc_t> pivot;
+    for (int i = 0; i < pos.N; ++i) pivot.see(i, p.weights[static_cast<int64_t>(i) * pos.T + t]);
+    const bool pass1 = !kSinglePass || pivot.saturated();
+    const int piv = pass1 && pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
     Row dh[VPT];
-    acc_t sum_a_dp[1] = {acc_t(0)};
+    // [0]: sum_j a_j dp_j, or pivoted sum_{j != p} a_j dp_j (then the sum
+    // relative to dp_p below); [1]: dp_p (pivoted).
+    acc_t sum_a_dp[2] = {acc_t(0), acc_t(0)};
     Row next[SU][VPT];
     if constexpr (kNorm) {
       if constexpr (kSinglePass && kPrefetch) {  // in flight meanwhile
@@ -1435,7 +1451,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
           const int c = (k * pos.G + pos.lane) * VEC;
-          if (c < pos.D) {
+          if (c < pos.D && !pass1) {
             const Row hk = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
@@ -1444,18 +1460,42 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
           }
         }
       }
-      if (p.grad_weights) {
+      if (p.grad_weights && !pass1) {
         for (int j = pos.lane; j < pos.N; j += pos.G) {
           const int64_t idx = static_cast<int64_t>(j) * pos.T + t;
           sum_a_dp[0] += p.weights[idx] * p.grad_weights[idx];
         }
       }
-    } else {
+    }
+    // Pass 1's term of source i from this lane's part of <dh, v_i> (the
+    // all-reduce below sums the lanes: the weight gradient joins on lane 0).
+    auto add_pass1 = [&](int i, acc_t dot) {
+      const int64_t idx = static_cast<int64_t>(i) * pos.T + t;
+      const acc_t dp = dot + (pos.lane == 0 ? weight_grad(p, idx) : acc_t(0));
+      if (i == piv) {
+        sum_a_dp[1] += dp;
+      } else {
+        sum_a_dp[0] += p.weights[idx] * dp;
+      }
+    };
+    if (kSinglePass && pass1) {
+      // A saturated token: its rows one at a time (`next` holds the sweep's
+      // first batch); kNorm's <dh, h> from the prologue is not used.
+      sum_a_dp[0] = acc_t(0);
+      for (int i = 0; i < pos.N; ++i) {
+        Row row[1][VPT];
+        backward_fetch_rows<kFirst, 1>(p, pos, stage, staged, i, t, row);
+        acc_t dots[2];
+        row_dots<RowDots::kDhOnly, kUShared>(row, dh, u_s, pos.lane, pos.G, pos.D, dots);
+        add_pass1(i, dots[0]);
+      }
+    }
+    if constexpr (!kSinglePass) {
       if constexpr (!kRing) {
         if (staged) copy_async_commit_and_wait();
       }
-      // Pass 1: sum_j a_j dp_j. Both passes load the next batch while the
-      // current one is used when registers allow (kPrefetch).
+      // Pass 1. Both passes load the next batch while the current one is
+      // used when registers allow (kPrefetch).
       if constexpr (kPrefetch) backward_fetch_rows<kFirst, SU>(p, pos, stage, staged, 0, t, next);
       for (int i0 = 0; i0 < pos.N; i0 += SU) {
         Row rows[SU][VPT];
@@ -1471,17 +1511,24 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
         row_dots<RowDots::kDhOnly, kUShared>(rows, dh, u_s, pos.lane, pos.G, pos.D, dots);
 #pragma unroll
         for (int j = 0; j < SU; ++j) {
-          if (i0 + j < pos.N) {
-            // dots are this lane's partials (the all-reduce below sums the
-            // lanes): the weight gradient joins on lane 0 only.
-            const int64_t idx = static_cast<int64_t>(i0 + j) * pos.T + t;
-            const acc_t dp = dots[2 * j] + (pos.lane == 0 ? weight_grad(p, idx) : acc_t(0));
-            sum_a_dp[0] += p.weights[idx] * dp;
-          }
+          if (i0 + j < pos.N) add_pass1(i0 + j, dots[2 * j]);
         }
       }
     }
-    group_allreduce<1>(sum_a_dp, pos, red, parity);
+    group_allreduce<2>(sum_a_dp, pos, red, parity);
+    // Pivoted: sum_{j != p} a_j (dp_j - dp_p), and each source's dp_i - dp_p
+    // (0 for the pivot itself: its ds is then -a_p times that sum).
+    const acc_t dp_p = sum_a_dp[1];
+    if (piv >= 0) {
+      acc_t rest = acc_t(0);
+      for (int j = 0; j < pos.N; ++j) {
+        if (j != piv) rest += p.weights[static_cast<int64_t>(j) * pos.T + t];
+      }
+      sum_a_dp[0] -= rest * dp_p;
+    }
+    auto relative_dp = [&](int i, acc_t dp) {
+      return piv < 0 ? dp : (i == piv ? acc_t(0) : dp - dp_p);
+    };
 
     // The sweep: batch b = step (single pass) or n_batches - 1 - step
     // (two-pass: last batch first).
@@ -1515,7 +1562,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
           const acc_t a = p.weights[idx];
           const acc_t r = p.rstd[idx];
           const acc_t s = math::score(r, sums[2 * j + 1]);
-          const acc_t dp = sums[2 * j] + weight_grad(p, idx);
+          const acc_t dp = relative_dp(i, sums[2 * j] + weight_grad(p, idx));
           const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
               a, r, s, dp, sum_a_dp[0], static_cast<int64_t>(pos.D));
           if (kHasRarePath && math::backward_row_is_rare(a, r, s, dp, sum_a_dp[0], g)) {
@@ -1624,7 +1671,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
           if (rare && active) {
             const acc_t a = p.weights[idx];
             const acc_t r = p.rstd[idx];
-            const acc_t dp = sums[0] + weight_grad(p, idx);
+            const acc_t dp = relative_dp(i, sums[0] + weight_grad(p, idx));
             const acc_t s = math::score(r, sums[1]);
             const math::SourceGrad<acc_t> g = math::source_grad_coefficients(
                 a, r, s, dp, sum_a_dp[0], static_cast<int64_t>(pos.D));

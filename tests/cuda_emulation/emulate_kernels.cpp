@@ -86,6 +86,11 @@ struct Case {
   // Whether the backward runs at all (the forward ring sweep skips it: the
   // ring is the forward's).
   bool run_backward = true;
+  // Source 0 along the query (u plus 1% noise, a random scale per token):
+  // its weight saturates, 1 - a_0 ~ exp(-|u| sqrt(D)). The backward must
+  // then take the pivoted form from the rows (math::Pivot::saturated), not
+  // <dh, h> from the rounded h: the query gradient is a small difference.
+  bool saturate = false;
   // The kernels of the tile's group class (launch.h) are run again as their
   // kAnyGroup instantiation (G at run time: the kernels before the classes)
   // and every output must have the same bits.
@@ -150,6 +155,15 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     u[d] = static_cast<acc_t>(scale * q * g);
   }
   if (c.nan_query) u[D / 2] = static_cast<acc_t>(NAN);
+  if (c.saturate) {
+    for (int64_t t = 0; t < T; ++t) {
+      const double k = 1 + std::fabs(normal(rng));
+      for (int d = 0; d < D; ++d) {
+        src[0][offset + t * stride + d] =
+            static_cast<scalar_t>(k * (double(u[d]) + 0.01 * normal(rng) / std::sqrt(double(D))));
+      }
+    }
+  }
   std::vector<scalar_t> dh(T * D);
   for (auto& x : dh) x = static_cast<scalar_t>(normal(rng) * c.dh_scale);
 
@@ -614,6 +628,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
   if (c.at_magnitude) range += " at_magnitude";
+  if (c.saturate) range += " saturated";
   if (c.h_extra_stride != 0) range += " h_stride=" + std::to_string(D + c.h_extra_stride);
   if (c.norm) {
     range += std::string(" +norm[") + (c.keep_h ? "keep_h" : "no_h") + (want_dw ? " dw" : "") +
@@ -1156,6 +1171,27 @@ int main(int argc, char** argv) {
                     normed({3, 4, 1000, 1, false, 2}),      // odd row stride: scalar path
                     normed(range_case(4, 10, 64, {6e4, 2e4})),
                     normed(range_case(4, 10, 64, {1e-4}))});
+  // Saturated softmax (Case::saturate): 1 - a_0 from ~4e-3 (D = 64) to
+  // below float32's epsilon (D = 1000), plain and normed (dh orthogonal to
+  // h), single pass (fp32/fp64) and two-pass (bf16/fp16), N = 1 included.
+  auto saturated = [](Case c, bool with_norm = false) {
+    c.saturate = true;
+    c.norm = with_norm;
+    return c;
+  };
+  for (bool with_norm : {false, true}) {
+    run(double{}, {saturated({4, 9, 256, 0, false, 2}, with_norm),
+                   saturated({1, 5, 64, 0, false, 2}, with_norm)});
+    run(float{}, {saturated({4, 9, 64, 0, false, 2}, with_norm),
+                  saturated({4, 9, 256, 0, false, 2}, with_norm),
+                  saturated({5, 6, 1000, 0, false, 2, true, false}, with_norm),
+                  saturated({1, 7, 1000, 0, false, 2}, with_norm)});
+    run(c10::BFloat16{}, {saturated({4, 9, 256, 0, false, 2}, with_norm),
+                          saturated({9, 20, 1024, 0, false, 3}, with_norm),
+                          saturated({1, 7, 1000, 0, false, 2}, with_norm)});
+    run(c10::Half{}, {saturated({4, 9, 256, 0, false, 2}, with_norm),
+                      saturated({1, 5, 64, 0, false, 2}, with_norm)});
+  }
   // The forward's cp.async ring over N (forward only): one warp per token
   // (32 packs a row), rows of 512 bytes per warp, so 3 stages up to N = 32,
   // 2 up to N = 64 (the CTA's 64 KiB), none at 65 and 70; tokens per CTA

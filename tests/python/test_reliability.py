@@ -515,10 +515,8 @@ def _saturated_case(dtype, qnorm, device, fused, T=512, D=256, N=4):
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON),
-        pytest.mark.xfail(strict=False, reason="the CUDA backward keeps the plain <dh, h> form "
-                          "(docs/design.md §8, 'A saturated softmax feeding a norm': open)")]),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason=CUDA_SKIP_REASON)),
 ])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "out_weight"])

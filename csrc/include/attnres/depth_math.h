@@ -267,9 +267,9 @@ struct Pivot {
   ATTNRES_HD bool pivoted() const { return weight > acc_t(0.5); }
   // The single-pass backward's <dh, h - v_p> = sum_{j != p} a_j (dp_j - dp_p)
   // is formed from the forward's rounded h: its error, ~ulp(h) against a
-  // value ~(1 - a_p) |v|, grows as 1 / (1 - a_p). Above 1 - 1/16 the CPU
-  // single-pass backward forms it from the dp_j instead (one more dot
-  // product per row; the CUDA backward keeps the plain form, §8).
+  // value ~(1 - a_p) |v|, grows as 1 / (1 - a_p). Above 1 - 1/16 the
+  // single-pass backwards (CPU and CUDA) form it from the dp_j instead (one
+  // more dot product per row, docs/design.md §8).
   ATTNRES_HD bool saturated() const { return weight > acc_t(1) - acc_t(1) / acc_t(16); }
 };
 
