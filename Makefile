@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc cmake tests/cpp -path tests/cpp/aoti -prune -o
   setup.py CMakeLists.txt pyproject.toml \
   python/attnres/_version.py
 
-.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info fuzz sanitize
+.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info fuzz sanitize sanitize-full
 
 test: py-test cpp-test cpp-example
 
@@ -36,6 +36,11 @@ fuzz: build
 # CPU-only build of its own in build-sanitize) and run.
 sanitize: setup | sysdeps
 	PYTHON=$(abspath $(VPY)) MAX_JOBS=$(MAX_JOBS) tests/sanitize/run.sh
+
+# The same with the kernel emulation of every dtype sanitized (fp64 too).
+sanitize-full: setup | sysdeps
+	ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16" \
+	  PYTHON=$(abspath $(VPY)) MAX_JOBS=$(MAX_JOBS) tests/sanitize/run.sh
 
 info: build
 	$(VPY) -m attnres info

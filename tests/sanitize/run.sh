@@ -7,6 +7,12 @@
 #
 #   tests/sanitize/run.sh            # build + run both
 #   ATTNRES_SANITIZE_BUILD=dir  MAX_JOBS=n  PYTHON=python  (defaults below)
+#   ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16"  (make sanitize-full)
+#
+# By default the kernel emulation runs sanitized for float32, bfloat16 and
+# float16 (every tile family but fp64's; fp64's cases take two thirds of the
+# emulation's time): CI's time limit. pytest runs all four unsanitized
+# (tests/python/test_cuda_emulation.py); `make sanitize-full` runs all four here.
 #
 # A sanitizer report fails the run (halt_on_error). LeakSanitizer is off:
 # LibTorch keeps process-lifetime allocations that it reports as leaks.
@@ -66,12 +72,13 @@ fi
 EMU="$BUILD/emulate_kernels"
 build_emulator emulate_kernels
 # The dtypes side by side, one core each.
+DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32 bfloat16 float16}
 declare -A pids
-for dtype in float64 float32 bfloat16 float16; do
+for dtype in $DTYPES; do
   "$EMU" "$dtype" > "$EMU.$dtype.log" 2>&1 &
   pids[$dtype]=$!
 done
-for dtype in float64 float32 bfloat16 float16; do
+for dtype in $DTYPES; do
   if wait "${pids[$dtype]}"; then
     echo "emulation $dtype: $(tail -1 "$EMU.$dtype.log")"
   else
