@@ -1364,16 +1364,6 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
         if (staged) copy_token_rows_async<scalar_t, VEC, VPT>(p, pos, t, stage);
       }
     }
-    // The pivot (math::Pivot): a token whose largest weight a_p dominates
-    // takes sum_j a_j dp_j relative to dp_p (the pivoted form, depth_math.h),
-    // from a pass 1 over the rows: the two-pass backward's own pass 1 (its
-    // lane partials, no extra read); the single pass only for a saturated
-    // token (Pivot::saturated: its <dh, h> from the rounded h is too inexact
-    // there), whose rows it then reads twice.
-    math::Pivot<acc_t> pivot;
-    for (int i = 0; i < pos.N; ++i) pivot.see(i, p.weights[static_cast<int64_t>(i) * pos.T + t]);
-    const bool pass1 = !kSinglePass || pivot.saturated();
-    const int piv = pass1 && pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
     Row dh[VPT];
     // [0]: sum_j a_j dp_j, or pivoted sum_{j != p} a_j dp_j (then the sum
     // relative to dp_p below); [1]: dp_p (pivoted).
@@ -1451,7 +1441,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
           const int c = (k * pos.G + pos.lane) * VEC;
-          if (c < pos.D && !pass1) {
+          if (c < pos.D) {
             const Row hk = load_global<scalar_t, VEC, LoadHint::kStream>(h_row + c);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
@@ -1460,13 +1450,24 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
           }
         }
       }
-      if (p.grad_weights && !pass1) {
+      if (p.grad_weights) {
         for (int j = pos.lane; j < pos.N; j += pos.G) {
           const int64_t idx = static_cast<int64_t>(j) * pos.T + t;
           sum_a_dp[0] += p.weights[idx] * p.grad_weights[idx];
         }
       }
     }
+    // The pivot (math::Pivot), after dh, h and the first rows are in flight:
+    // a token whose largest weight a_p dominates takes sum_j a_j dp_j
+    // relative to dp_p (the pivoted form, depth_math.h), from a pass 1 over
+    // the rows: the two-pass backward's own pass 1 (its lane partials, no
+    // extra read); the single pass only for a saturated token
+    // (Pivot::saturated: its <dh, h> from the rounded h is too inexact
+    // there), whose rows it then reads twice.
+    math::Pivot<acc_t> pivot;
+    for (int i = 0; i < pos.N; ++i) pivot.see(i, p.weights[static_cast<int64_t>(i) * pos.T + t]);
+    const bool pass1 = !kSinglePass || pivot.saturated();
+    const int piv = pass1 && pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
     // Pass 1's term of source i from this lane's part of <dh, v_i> (the
     // all-reduce below sums the lanes: the weight gradient joins on lane 0).
     auto add_pass1 = [&](int i, acc_t dot) {
@@ -1479,15 +1480,28 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
       }
     };
     if (kSinglePass && pass1) {
-      // A saturated token: its rows one at a time (`next` holds the sweep's
-      // first batch); kNorm's <dh, h> from the prologue is not used.
+      // A saturated token: its rows one pack at a time (`next` holds the
+      // sweep's first batch; a whole row in registers would spill the
+      // widest tiles); <dh, h> and the weight-gradient sum above are not
+      // used.
       sum_a_dp[0] = acc_t(0);
+#pragma unroll 1
       for (int i = 0; i < pos.N; ++i) {
-        Row row[1][VPT];
-        backward_fetch_rows<kFirst, 1>(p, pos, stage, staged, i, t, row);
-        acc_t dots[2];
-        row_dots<RowDots::kDhOnly, kUShared>(row, dh, u_s, pos.lane, pos.G, pos.D, dots);
-        add_pass1(i, dots[0]);
+        const scalar_t* row = staged ? nullptr : source_row<scalar_t>(p.table, p.overflow, i, t);
+        acc_t dot = acc_t(0);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int c = (k * pos.G + pos.lane) * VEC;
+          if (c < pos.D) {
+            const Row v = staged ? stage[(i * VPT + k) * pos.G + pos.lane]
+                                 : load_global<scalar_t, VEC, kFirst>(row + c);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              dot += static_cast<acc_t>(dh[k].x[e]) * static_cast<acc_t>(v.x[e]);
+            }
+          }
+        }
+        add_pass1(i, dot);
       }
     }
     if constexpr (!kSinglePass) {
@@ -1519,13 +1533,7 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
     // Pivoted: sum_{j != p} a_j (dp_j - dp_p), and each source's dp_i - dp_p
     // (0 for the pivot itself: its ds is then -a_p times that sum).
     const acc_t dp_p = sum_a_dp[1];
-    if (piv >= 0) {
-      acc_t rest = acc_t(0);
-      for (int j = 0; j < pos.N; ++j) {
-        if (j != piv) rest += p.weights[static_cast<int64_t>(j) * pos.T + t];
-      }
-      sum_a_dp[0] -= rest * dp_p;
-    }
+    if (piv >= 0) sum_a_dp[0] -= pivot.rest * dp_p;
     auto relative_dp = [&](int i, acc_t dp) {
       return piv < 0 ? dp : (i == piv ? acc_t(0) : dp - dp_p);
     };

@@ -86,11 +86,15 @@ struct Case {
   // Whether the backward runs at all (the forward ring sweep skips it: the
   // ring is the forward's).
   bool run_backward = true;
-  // Source 0 along the query (u plus 1% noise, a random scale per token):
-  // its weight saturates, 1 - a_0 ~ exp(-|u| sqrt(D)). The backward must
-  // then take the pivoted form from the rows (math::Pivot::saturated), not
-  // <dh, h> from the rounded h: the query gradient is a small difference.
-  bool saturate = false;
+  // Source t % N of token t along the query (u plus 1% noise, a random
+  // scale per token): its weight saturates, 1 - a ~ exp(-|u| sqrt(D)). The
+  // backward must then take the pivoted form from the rows
+  // (math::Pivot::saturated), not <dh, h> from the rounded h: the query
+  // gradient is a small difference. The pivot moves across the batches of
+  // rows. 1: every token (the accuracy check: a plain token's larger
+  // gradients would hide a saturated one's error in the norms); 2: every
+  // third token plain, so saturated and plain tokens share warps and CTAs.
+  int saturate = 0;
   // The kernels of the tile's group class (launch.h) are run again as their
   // kAnyGroup instantiation (G at run time: the kernels before the classes)
   // and every output must have the same bits.
@@ -157,9 +161,10 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (c.nan_query) u[D / 2] = static_cast<acc_t>(NAN);
   if (c.saturate) {
     for (int64_t t = 0; t < T; ++t) {
+      if (c.saturate == 2 && t % 3 == 2) continue;
       const double k = 1 + std::fabs(normal(rng));
       for (int d = 0; d < D; ++d) {
-        src[0][offset + t * stride + d] =
+        src[t % N][offset + t * stride + d] =
             static_cast<scalar_t>(k * (double(u[d]) + 0.01 * normal(rng) / std::sqrt(double(D))));
       }
     }
@@ -628,7 +633,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (c.eps != 1e-6) range += " eps=" + std::to_string(c.eps);
   if (c.nan_query) range += " nan_query";
   if (c.at_magnitude) range += " at_magnitude";
-  if (c.saturate) range += " saturated";
+  if (c.saturate) range += c.saturate == 1 ? " saturated" : " saturated+plain";
   if (c.h_extra_stride != 0) range += " h_stride=" + std::to_string(D + c.h_extra_stride);
   if (c.norm) {
     range += std::string(" +norm[") + (c.keep_h ? "keep_h" : "no_h") + (want_dw ? " dw" : "") +
@@ -1171,11 +1176,11 @@ int main(int argc, char** argv) {
                     normed({3, 4, 1000, 1, false, 2}),      // odd row stride: scalar path
                     normed(range_case(4, 10, 64, {6e4, 2e4})),
                     normed(range_case(4, 10, 64, {1e-4}))});
-  // Saturated softmax (Case::saturate): 1 - a_0 from ~4e-3 (D = 64) to
+  // Saturated softmax (Case::saturate): 1 - a from ~4e-3 (D = 64) to
   // below float32's epsilon (D = 1000), plain and normed (dh orthogonal to
   // h), single pass (fp32/fp64) and two-pass (bf16/fp16), N = 1 included.
-  auto saturated = [](Case c, bool with_norm = false) {
-    c.saturate = true;
+  auto saturated = [](Case c, bool with_norm = false, int mode = 1) {
+    c.saturate = mode;
     c.norm = with_norm;
     return c;
   };
@@ -1185,12 +1190,20 @@ int main(int argc, char** argv) {
     run(float{}, {saturated({4, 9, 64, 0, false, 2}, with_norm),
                   saturated({4, 9, 256, 0, false, 2}, with_norm),
                   saturated({5, 6, 1000, 0, false, 2, true, false}, with_norm),
+                  saturated({9, 12, 256, 0, false, 2}, with_norm),
                   saturated({1, 7, 1000, 0, false, 2}, with_norm)});
     run(c10::BFloat16{}, {saturated({4, 9, 256, 0, false, 2}, with_norm),
                           saturated({9, 20, 1024, 0, false, 3}, with_norm),
+                          saturated({9, 12, 256, 0, false, 2}, with_norm),
                           saturated({1, 7, 1000, 0, false, 2}, with_norm)});
     run(c10::Half{}, {saturated({4, 9, 256, 0, false, 2}, with_norm),
                       saturated({1, 5, 64, 0, false, 2}, with_norm)});
+    // Saturated and plain tokens mixed in a warp (sub-warp groups), a warp
+    // and a CTA.
+    run(float{}, {saturated({4, 9, 64, 0, false, 2}, with_norm, 2),
+                  saturated({9, 12, 256, 0, false, 2}, with_norm, 2)});
+    run(c10::BFloat16{}, {saturated({3, 40, 64, 0, false, 1}, with_norm, 2),
+                          saturated({9, 20, 1024, 0, false, 3}, with_norm, 2)});
   }
   // The forward's cp.async ring over N (forward only): one warp per token
   // (32 packs a row), rows of 512 bytes per warp, so 3 stages up to N = 32,

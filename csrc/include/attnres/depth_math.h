@@ -258,10 +258,16 @@ template <typename acc_t>
 struct Pivot {
   int64_t index = 0;
   acc_t weight = acc_t(-1);
+  // The sum of the other weights, sum_{j != p} a_j (not 1 - weight, which
+  // cancels when a_p is near 1).
+  acc_t rest = acc_t(0);
   ATTNRES_HD void see(int64_t i, acc_t a) {
     if (a > weight) {
+      if (weight >= acc_t(0)) rest += weight;
       weight = a;
       index = i;
+    } else {
+      rest += a;
     }
   }
   ATTNRES_HD bool pivoted() const { return weight > acc_t(0.5); }
