@@ -4,9 +4,10 @@ the public functional API (autograd is registered in C++, csrc/autograd/).
 The kernels live in C++ (csrc/); importing this module loads them. The C++
 checks (csrc/arguments.cpp) are the only checks of an eager call. While
 tracing, the fake kernels check what a trace depends on, the tensors'
-shapes, dtypes, devices and layouts and output_mask's length, in the C++
-order and words; the numbers (eps, scale, out_eps) and the in-place merge's
-memory overlap are checked by the real op when the traced program runs.
+shapes, dtypes, devices and layouts, output_mask's length and the in-place
+merge's memory overlap, with the C++ words for any one bad argument; the
+numbers (eps, scale, out_eps) are checked by the real op when the traced
+program runs.
 """
 from __future__ import annotations
 
@@ -300,10 +301,38 @@ def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_wei
     )
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte spans in one storage intersect (csrc/block_reads.cpp
+    shares_memory)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    a0 = a.storage_offset() * a.element_size()
+    b0 = b.storage_offset() * b.element_size()
+    extent = 1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))
+    return a0 < b0 + extent * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 @torch.library.register_fake("attnres::block_read_merge_inplace")
 def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
                                    out_weight=None, out_eps=None):
+    # The memory checks too (csrc/block_reads.cpp check_merge_in_place): a
+    # functionalized trace runs the op on a copy of partial_out, where an
+    # input that overlaps it would no longer be seen.
     _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
+    if not partial_out.is_contiguous():
+        raise ValueError("partial_out must be contiguous for block_read_merge_inplace (the read is "
+                         "written into it)")
+    for name, t in (("block_sum", block_sum), ("lse", lse), ("query", query),
+                    ("norm_weight", norm_weight), ("out_weight", out_weight)):
+        if t is None:
+            continue
+        if t is partial_out:
+            raise ValueError(f"partial_out and {name} must be different tensors")
+        if _shares_memory(partial_out, t):
+            raise RuntimeError(
+                f"{name} shares memory with partial_out (some of their elements refer to a single "
+                f"memory location), which block_read_merge_inplace overwrites while it reads "
+                f"{name}: pass a tensor apart from it")
     return None
 
 

@@ -920,14 +920,13 @@ def test_inplace_merge_refuses_a_block_sum_that_overlaps_the_partial_output(out_
         block_read_merge_inplace(partial, lse, torch.randn(T, D), query, out_weight=w)  # disjoint: fine
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # the C++ checks and the fake kernel
 @pytest.mark.parametrize("name", ["lse", "query", "norm_weight", "out_weight"])
-def test_inplace_merge_refuses_any_input_that_overlaps_the_partial_output(name):
+def test_inplace_merge_refuses_any_input_that_overlaps_the_partial_output(name, device):
     """Every input is read while h (or y) is written over partial_out: lse,
     the query and both gains too are refused when they share memory with
-    it, and (query, gains, which can have its shape) when they are it. A
-    check of the op when it runs: a trace leaves memory to it
-    (test_op_surface.py runs these under torch.compile)."""
-    D, T, device = 8, 4, "cpu"
+    it, and (query, gains, which can have its shape) when they are it."""
+    D, T = 8, 4
     dtype = torch.float64  # so that lse can be a view of partial_out's storage
     buf = torch.randn(T * D + D, dtype=dtype).to(device)
     partial = buf[:T * D].view(T, D)

@@ -271,14 +271,12 @@ BAD_INPUTS = {
     "merge in place: strided output": lambda v: (ops.block_read_merge_inplace, (
         v.parts[1].t().contiguous().t(), v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0)),
 }
-# The checks of numbers (eps, scale, out_eps) and of memory (the in-place
-# merge) are the real op's: a trace accepts them, the traced program raises
-# them when it runs (test_eager_op_and_compiled_call_refuse_alike).
+# The checks of numbers (eps, scale, out_eps) are the real op's: a trace
+# accepts them, the traced program raises them when it runs
+# (test_eager_op_and_compiled_call_refuse_alike).
 RUN_TIME_CHECKS = {
     "fwd: negative eps", "fwd: eps beyond float32", "fwd: NaN scale", "fwd: scale beyond float32",
     "fwd: negative out_eps", "bwd: NaN scale", "reads: negative out_eps",
-    "merge in place: block_sum is the output", "merge in place: lse views the output",
-    "merge in place: strided output",
 }
 
 
@@ -322,8 +320,9 @@ def test_eager_op_and_fake_kernel_refuse_alike(case):
         assert traced == eager, f"{case}: eager {eager} vs fake {traced}"
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])  # aot_eager: functionalized
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_eager_op_and_compiled_call_refuse_alike(case):
+def test_eager_op_and_compiled_call_refuse_alike(case, backend):
     """torch.compile (the fake kernels while tracing, the op when the program
     runs) refuses every bad input with the eager op's words."""
     op, args = BAD_INPUTS[case](_valid())
@@ -332,7 +331,7 @@ def test_eager_op_and_compiled_call_refuse_alike(case):
     if case == "fwd: sparse source":
         pytest.skip("dynamo does not trace sparse tensors: it refuses the input itself")
     torch.compiler.reset()  # a fresh trace per case, never a cached or eager fallback
-    compiled = torch.compile(lambda *a: op(*a), backend="eager", fullgraph=True)
+    compiled = torch.compile(lambda *a: op(*a), backend=backend, fullgraph=True)
     with pytest.raises(Exception) as info:
         compiled(*args)
     chain, exc = [], info.value
