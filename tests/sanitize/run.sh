@@ -10,8 +10,8 @@
 #   ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16"  (make sanitize-full)
 #
 # By default the kernel emulation runs sanitized for float32, bfloat16 and
-# float16 (every tile family but fp64's; fp64's cases take two thirds of the
-# emulation's time): CI's time limit. pytest runs all four unsanitized
+# float16 (every tile family but fp64's), for CI's time limit (times in
+# benchmarks/results/NOTES.md, "CI time"). pytest runs all four unsanitized
 # (tests/python/test_cuda_emulation.py); `make sanitize-full` runs all four here.
 #
 # A sanitizer report fails the run (halt_on_error). LeakSanitizer is off:
