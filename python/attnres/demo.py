@@ -24,6 +24,7 @@ import site
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -37,60 +38,51 @@ VARIANTS = ("standard", "full", "block")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _VALIDATION_SEED = 1_000_003  # validation batches are the same for every seed and variant
 
-# Values used where an option is not given. "cpu" fits `make demo` in about
-# 5 minutes on a 2-core machine; "gpu" is sized for about 30 minutes on one
-# H200 (9 runs) and also has a hard budget (max_minutes).
-PRESETS: Dict[str, Dict] = {
-    "cpu": dict(
-        steps=200, d_model=64, layers=8, heads=4, seq_len=128, batch=16, block_size=4,
-        lr=3e-3, attnres_lr_scale=0.1, weight_decay=0.1, seeds=3, amp=False,
-        corpus="stdlib", corpus_bytes=2_000_000, eval_batches=8, profile_batches=2,
-        max_minutes=None, out=Path("demo_out"),
-    ),
-    "gpu": dict(
-        steps=3000, d_model=384, layers=16, heads=6, seq_len=512, batch=32, block_size=8,
-        lr=1.5e-3, attnres_lr_scale=0.1, weight_decay=0.1, seeds=3, amp=True,
-        corpus="all", corpus_bytes=0, eval_batches=32, profile_batches=4,
-        max_minutes=30.0, out=Path("demo_out_gpu"),
-    ),
-}
+# One row per option, in --help order: (name, add_argument keywords, help, (cpu preset, gpu preset) or None).
+# The preset values are used where an option is not given: "cpu" fits `make demo` in about 5 minutes on a
+# 2-core machine; "gpu" is sized for about 30 minutes on one H200 (9 runs) and also has a hard budget (max_minutes).
+OPTIONS = [
+    ("preset", dict(choices=("cpu", "gpu"), default="cpu"),
+     "defaults for every option below that is not given (default: %(default)s)", None),
+    ("steps", dict(type=int), "training steps per run", (200, 3000)),
+    ("d_model", dict(type=int), "model width D", (64, 384)),
+    ("layers", dict(type=int), "transformer blocks; each has 2 sublayers", (8, 16)),
+    ("heads", dict(type=int), "attention heads", (4, 6)),
+    ("seq_len", dict(type=int), "context length in bytes", (128, 512)),
+    ("batch", dict(type=int), "sequences per step", (16, 32)),
+    ("block_size", dict(type=int), "sublayers per block for the 'block' variant", (4, 8)),
+    ("lr", dict(type=float), "peak AdamW learning rate", (3e-3, 1.5e-3)),
+    ("attnres_lr_scale", dict(type=float),
+     "learning-rate factor of the AttnRes queries and key-norm gains; 0 freezes them", (0.1, 0.1)),
+    ("weight_decay", dict(type=float), "AdamW weight decay of the weight matrices", (0.1, 0.1)),
+    ("seeds", dict(type=int),
+     "seeds per variant (paired: seed s is the same init and batches for every variant)", (3, 3)),
+    ("seed", dict(type=int, default=0), "first seed; the runs use seed, seed+1, ... (default: %(default)s)", None),
+    ("amp", dict(action=argparse.BooleanOptionalAction, default=None),
+     "bf16 autocast for the sublayers (the residual stream stays fp32)", (False, True)),
+    ("device", dict(choices=("cpu", "cuda")), "default: %(default)s", None),  # its default: add_arguments
+    ("out", dict(type=Path), "output folder", (Path("demo_out"), Path("demo_out_gpu"))),
+    ("corpus", dict(choices=("stdlib", "all")),
+     "'stdlib': the standard library's .py files; 'all': also every site-packages directory", ("stdlib", "all")),
+    ("corpus_bytes", dict(type=int), "bytes of source to use; 0 for all of it", (2_000_000, 0)),
+    ("eval_batches", dict(type=int), "batches for each loss estimate", (8, 32)),
+    ("profile_batches", dict(type=int), "batches for the depth profile; 0 skips it", (2, 4)),
+    ("max_minutes", dict(type=float),
+     "do not start a run that would end after this many minutes (none: no limit)", (None, 30.0)),
+    ("variants", dict(nargs="+", choices=VARIANTS, default=list(VARIANTS)), "default: all three", None),
+]
+PRESETS: Dict[str, Dict] = {preset: {name: values[i] for name, _, _, values in OPTIONS if values is not None}
+                            for i, preset in enumerate(("cpu", "gpu"))}
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu, gpu = PRESETS["cpu"], PRESETS["gpu"]
-
-    def preset_help(key: str, text: str) -> str:
-        return f"{text} (cpu preset: {cpu[key]}, gpu preset: {gpu[key]})"
-
-    parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu",
-                        help="defaults for every option below that is not given (default: %(default)s)")
-    parser.add_argument("--steps", type=int, help=preset_help("steps", "training steps per run"))
-    parser.add_argument("--d-model", type=int, help=preset_help("d_model", "model width D"))
-    parser.add_argument("--layers", type=int, help=preset_help("layers", "transformer blocks; each has 2 sublayers"))
-    parser.add_argument("--heads", type=int, help=preset_help("heads", "attention heads"))
-    parser.add_argument("--seq-len", type=int, help=preset_help("seq_len", "context length in bytes"))
-    parser.add_argument("--batch", type=int, help=preset_help("batch", "sequences per step"))
-    parser.add_argument("--block-size", type=int, help=preset_help("block_size", "sublayers per block for the 'block' variant"))
-    parser.add_argument("--lr", type=float, help=preset_help("lr", "peak AdamW learning rate"))
-    parser.add_argument("--attnres-lr-scale", type=float,
-                        help=preset_help("attnres_lr_scale", "learning-rate factor of the AttnRes queries and key-norm gains; 0 freezes them"))
-    parser.add_argument("--weight-decay", type=float, help=preset_help("weight_decay", "AdamW weight decay of the weight matrices"))
-    parser.add_argument("--seeds", type=int, help=preset_help("seeds", "seeds per variant (paired: seed s is the same init and batches for every variant)"))
-    parser.add_argument("--seed", type=int, default=0, help="first seed; the runs use seed, seed+1, ... (default: %(default)s)")
-    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                        help=preset_help("amp", "bf16 autocast for the sublayers (the residual stream stays fp32)"))
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=default_device, help="default: %(default)s")
-    parser.add_argument("--out", type=Path, help=preset_help("out", "output folder"))
-    parser.add_argument("--corpus", choices=("stdlib", "all"),
-                        help=preset_help("corpus", "'stdlib': the standard library's .py files; 'all': also every site-packages directory"))
-    parser.add_argument("--corpus-bytes", type=int, help=preset_help("corpus_bytes", "bytes of source to use; 0 for all of it"))
-    parser.add_argument("--eval-batches", type=int, help=preset_help("eval_batches", "batches for each loss estimate"))
-    parser.add_argument("--profile-batches", type=int, help=preset_help("profile_batches", "batches for the depth profile; 0 skips it"))
-    parser.add_argument("--max-minutes", type=float,
-                        help=preset_help("max_minutes", "do not start a run that would end after this many minutes (none: no limit)"))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="default: all three")
-
+    for name, keywords, text, presets in OPTIONS:
+        if presets is not None:
+            text += f" (cpu preset: {presets[0]}, gpu preset: {presets[1]})"
+        parser.add_argument(_flag(name), help=text, **keywords)
+    parser.set_defaults(device="cuda" if torch.cuda.is_available() else "cpu")  # looked up when the parser is made
 
 def resolve_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every option left unset from the chosen preset (in place)."""
@@ -99,40 +91,31 @@ def resolve_preset(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, key, value)
     return args
 
-
 def check_arguments(args) -> Optional[str]:
     """The first problem with ``args`` as a message, or None."""
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda was asked for but torch sees no CUDA device"
-    sizes = {"--steps": args.steps, "--d-model": args.d_model, "--layers": args.layers,
-             "--heads": args.heads, "--seq-len": args.seq_len, "--batch": args.batch,
-             "--block-size": args.block_size, "--seeds": args.seeds, "--eval-batches": args.eval_batches}
-    for flag, value in sizes.items():
-        if value <= 0:
-            return f"{flag} must be positive, got {value}"
+    for name in ("steps", "d_model", "layers", "heads", "seq_len", "batch", "block_size", "seeds", "eval_batches"):
+        if getattr(args, name) <= 0:
+            return f"{_flag(name)} must be positive, got {getattr(args, name)}"
     if args.profile_batches < 0:
         return f"--profile-batches must be >= 0, got {args.profile_batches}"
     if args.corpus_bytes < 0:
         return f"--corpus-bytes must be >= 0 (0: all), got {args.corpus_bytes}"
     if args.d_model % args.heads:
         return f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})"
-    for flag, value in (("--lr", args.lr), ("--attnres-lr-scale", args.attnres_lr_scale),
-                        ("--weight-decay", args.weight_decay)):
-        if not (math.isfinite(value) and value >= 0):
-            return f"{flag} must be a finite number >= 0, got {value}"
+    for name in ("lr", "attnres_lr_scale", "weight_decay"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            return f"{_flag(name)} must be a finite number >= 0, got {getattr(args, name)}"
     if args.max_minutes is not None and not args.max_minutes > 0:
         return f"--max-minutes must be positive, got {args.max_minutes}"
     if len(set(args.variants)) != len(args.variants):
         return f"--variants lists a variant twice: {args.variants}"
     return None
 
-
-# ---- data ---------------------------------------------------------------------
-
-
+# ---- data ---------------------------------------------------------------------------------------
 def corpus_roots(kind: str) -> List[str]:
-    """The folders whose .py files make the corpus: the stdlib, then (for
-    ``kind='all'``) every site-packages folder of this interpreter."""
+    """The stdlib folder, then (for ``kind='all'``) every site-packages folder of this interpreter."""
     roots = [os.path.dirname(os.__file__)]
     if kind == "all":
         for path in [*site.getsitepackages(), site.getusersitepackages()]:
@@ -140,54 +123,41 @@ def corpus_roots(kind: str) -> List[str]:
                 roots.append(path)
     return roots
 
-
 def source_corpus(roots: List[str], max_bytes: int) -> bytes:
-    """The .py files under ``roots`` (in that order, each in sorted path
-    order, site-packages folders skipped inside the stdlib walk), cut at
-    ``max_bytes`` (0: no limit)."""
+    """The .py files under ``roots`` (in that order, each in sorted path order, site-packages folders
+    skipped inside the stdlib walk), cut at ``max_bytes`` (0: no limit)."""
     chunks, total = [], 0
     for index, root in enumerate(roots):
+        skip = _SKIP_DIRS if index == 0 else {"__pycache__"}  # installed packages are not the stdlib
         for dirpath, dirnames, filenames in os.walk(root):
-            # Inside the stdlib folder, installed packages are not the stdlib.
-            skip = _SKIP_DIRS if index == 0 else {"__pycache__"}
             dirnames[:] = sorted(d for d in dirnames if d not in skip)
-            for name in sorted(filenames):
-                if not name.endswith(".py"):
-                    continue
+            for name in sorted(n for n in filenames if n.endswith(".py")):
                 try:
-                    with open(os.path.join(dirpath, name), "rb") as fh:
-                        data = fh.read()
+                    chunks.append(Path(dirpath, name).read_bytes())
                 except OSError:  # a broken link or unreadable file is not worth stopping for
                     continue
-                chunks.append(data)
-                total += len(data)
+                total += len(chunks[-1])
                 if max_bytes and total >= max_bytes:
                     return b"".join(chunks)[:max_bytes]
     return b"".join(chunks)
 
-
 def split_corpus(data: bytes, val_fraction: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Bytes as uint8 tensors (1 byte per token even for a 150 MB corpus);
-    the last ``val_fraction`` is the validation split."""
+    """Bytes as uint8 tensors (1 byte per token even for a 150 MB corpus); the last ``val_fraction`` is the
+    validation split."""
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     n_val = int(len(tokens) * val_fraction)
     return tokens[:-n_val], tokens[-n_val:]
-
 
 def sample_batch(tokens, batch, seq_len, generator, device):
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
     windows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
-
 def fixed_batches(tokens, n, batch, seq_len, seed, device):
     g = torch.Generator().manual_seed(seed)
     return [sample_batch(tokens, batch, seq_len, g, device) for _ in range(n)]
 
-
-# ---- training -----------------------------------------------------------------------------
-
-
+# ---- training -----------------------------------------------------------------------------------
 def lr_factor(step: int, total: int) -> float:
     """Linear warm-up over the first 5% of the steps, then cosine to 10%."""
     warmup = max(1, total // 20)
@@ -196,10 +166,8 @@ def lr_factor(step: int, total: int) -> float:
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-
 def _autocast(args):
     return torch.autocast(args.device, dtype=torch.bfloat16, enabled=bool(args.amp))
-
 
 @torch.no_grad()
 def mean_loss(model: GPT, batches, args) -> float:
@@ -209,103 +177,69 @@ def mean_loss(model: GPT, batches, args) -> float:
     model.train()
     return sum(losses) / len(losses)
 
-
 @torch.no_grad()
 def mean_depth_weights(model: GPT, batches, args) -> List[List[float]]:
-    """Per read (destination), the depth weight of each source averaged over
-    every token of ``batches``."""
+    """Per read (destination), the depth weight of each source averaged over every token of ``batches``."""
     model.eval()
-    sums: Optional[List[torch.Tensor]] = None
     with _autocast(args):
-        for x, y in batches:
-            _, _, weights = model(x, y, return_depth_weights=True)
-            means = [w.flatten(1).mean(1).double().cpu() for w in weights]
-            sums = means if sums is None else [s + m for s, m in zip(sums, means)]
+        per_batch = [[w.flatten(1).mean(1).double().cpu() for w in model(x, y, return_depth_weights=True)[2]]
+                     for x, y in batches]
     model.train()
-    return [(s / len(batches)).tolist() for s in sums]
-
+    return [(sum(read) / len(batches)).tolist() for read in zip(*per_batch)]
 
 def depth_profile(model: GPT, batches, args) -> Dict[str, List[float]]:
-    """Per sublayer (attn_0, mlp_0, ..., in order), over every token of ``batches``:
-
-    * ``input_rms``: RMS of the sublayer's input before its pre-norm (the
-      residual stream x for the standard model, the depth read h for AttnRes);
-    * ``output_rms``: RMS of the sublayer's output f;
-    * ``grad_norm``: the L2 norm over D of d(loss summed over tokens)/d f,
-      averaged over tokens (so it does not depend on the batch size);
-
-    and ``final_input_rms``, the RMS of what enters the final norm.
-    The model's parameters and gradients are left as they were.
-    """
+    """Per sublayer (attn_0, mlp_0, ..., in order), over every token of ``batches``: ``input_rms``, the RMS of
+    its input before the pre-norm (the residual stream x for the standard model, the depth read h for AttnRes);
+    ``output_rms``, the RMS of its output f; ``grad_norm``, the L2 norm over D of d(loss summed over tokens)/d f
+    averaged over tokens (so it does not depend on the batch size). Also ``final_input_rms``, the RMS of what
+    enters the final norm. The model's parameters and gradients are left as they were."""
     n = 2 * model.cfg.n_layers
-    sq_in, sq_out, grad_sum = [0.0] * n, [0.0] * n, [0.0] * n
-    elements, tokens = [0] * n, [0] * n
-    final = {"sq": 0.0, "n": 0}
-    handles = []
+    # Slot n of the input sums is the final norm's input.
+    sq_in, elements, sq_out, grad_sum, tokens = [0.0] * (n + 1), [0] * (n + 1), [0.0] * n, [0.0] * n, [0] * n
 
-    def on_input(j):
-        def hook(_module, inputs):
-            x = inputs[0].detach().double()
-            sq_in[j] += x.square().sum().item()
-            elements[j] += x.numel()
-        return hook
+    def on_input(j, _module, inputs):
+        x = inputs[0].detach().double()
+        sq_in[j] += x.square().sum().item()
+        elements[j] += x.numel()
 
-    def on_output(j):
-        def hook(_module, _inputs, out):
-            sq_out[j] += out.detach().double().square().sum().item()
-            tokens[j] += out[..., 0].numel()
+    def on_output(j, _module, _inputs, out):
+        sq_out[j] += out.detach().double().square().sum().item()
+        tokens[j] += out[..., 0].numel()
 
-            def on_grad(g):
-                grad_sum[j] += g.double().norm(dim=-1).sum().item()
-            out.register_hook(on_grad)
-        return hook
+        def on_grad(g):
+            grad_sum[j] += g.double().norm(dim=-1).sum().item()
+        out.register_hook(on_grad)
 
-    def on_final(_module, inputs):
-        final["sq"] += inputs[0].detach().double().square().sum().item()
-        final["n"] += inputs[0].numel()
-
+    handles = [model.ln_f.register_forward_pre_hook(partial(on_input, n))]
     for i, blk in enumerate(model.blocks):
-        handles += [blk.ln1.register_forward_pre_hook(on_input(2 * i)),
-                    blk.ln2.register_forward_pre_hook(on_input(2 * i + 1)),
-                    blk.attn.register_forward_hook(on_output(2 * i)),
-                    blk.mlp.register_forward_hook(on_output(2 * i + 1))]
-    handles.append(model.ln_f.register_forward_pre_hook(on_final))
-    saved_grads = {p: p.grad for p in model.parameters()}
-    was_training = model.training
+        for j, norm, sublayer in ((2 * i, blk.ln1, blk.attn), (2 * i + 1, blk.ln2, blk.mlp)):
+            handles += [norm.register_forward_pre_hook(partial(on_input, j)),
+                        sublayer.register_forward_hook(partial(on_output, j))]
+    saved_grads, was_training = {p: p.grad for p in model.parameters()}, model.training
     model.eval()
     try:
         for x, y in batches:
             with _autocast(args):
                 logits, _ = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
-            loss.backward()
+            F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").backward()
     finally:
         for h in handles:
             h.remove()
         for p, g in saved_grads.items():
             p.grad = g
         model.train(was_training)
-    return {
-        "input_rms": [math.sqrt(s / e) for s, e in zip(sq_in, elements)],
-        "output_rms": [math.sqrt(s / e) for s, e in zip(sq_out, elements)],
-        "grad_norm": [g / t for g, t in zip(grad_sum, tokens)],
-        "final_input_rms": math.sqrt(final["sq"] / final["n"]),
-    }
-
-
-def model_config(args, residual: str) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-        n_heads=args.heads, residual=residual, block_size=args.block_size,
-    )
-
+    return {"input_rms": [math.sqrt(s / e) for s, e in zip(sq_in[:n], elements)],
+            "output_rms": [math.sqrt(s / e) for s, e in zip(sq_out, elements)],
+            "grad_norm": [g / t for g, t in zip(grad_sum, tokens)],
+            "final_input_rms": math.sqrt(sq_in[n] / elements[n])}
 
 def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_eval_batches) -> Dict:
-    """Train one variant from seed ``seed``; returns its losses, curves,
-    speed, depth profile (at init and trained) and, for AttnRes, depth weights."""
+    """Train one variant from seed ``seed``; returns its losses, curves, speed, depth profile (at init and
+    trained) and, for AttnRes, depth weights."""
     from tqdm.auto import tqdm
 
-    cfg = model_config(args, residual)
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads, residual=residual, block_size=args.block_size)
     # The same seed gives every variant identical shared parameters (the
     # AttnRes parameters draw no random numbers) and identical batches.
     torch.manual_seed(seed)
@@ -313,18 +247,13 @@ def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_e
     profile_batches = val_batches[: args.profile_batches]
     profile_init = depth_profile(model, profile_batches, args) if profile_batches else None
     optimizer = torch.optim.AdamW(
-        param_groups(model, lr=args.lr, weight_decay=args.weight_decay,
-                     attnres_lr_scale=args.attnres_lr_scale),
-        betas=(0.9, 0.95), fused=args.device == "cuda",
-    )
+        param_groups(model, lr=args.lr, weight_decay=args.weight_decay, attnres_lr_scale=args.attnres_lr_scale),
+        betas=(0.9, 0.95), fused=args.device == "cuda")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.steps))
     data_gen = torch.Generator().manual_seed(seed)
     eval_every = max(1, args.steps // 10)
-
-    label = f"{residual} s{seed}"
-    tty = sys.stderr.isatty()
-    bar = tqdm(total=args.steps, desc=f"{label:>12}", disable=not tty, leave=False,
-               dynamic_ncols=True, file=sys.stderr)
+    label, tty = f"{residual} s{seed}", sys.stderr.isatty()
+    bar = tqdm(total=args.steps, desc=f"{label:>12}", disable=not tty, leave=False, dynamic_ncols=True, file=sys.stderr)
     train_curve, val_curve = [], []
     train_seconds, tokens_seen, started = 0.0, 0, time.perf_counter()
     for step in range(args.steps):
@@ -356,42 +285,29 @@ def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_e
         bar.update(1)
     bar.close()
 
-    result = {
-        "variant": residual,
-        "seed": seed,
-        "parameters": model.num_parameters(),
-        "tokens_per_s": tokens_seen / train_seconds,
-        "train_seconds": train_seconds,
-        "final_train_loss": mean_loss(model, train_eval_batches, args),
-        "val_loss": val_curve[-1][1],
-        "train_curve": train_curve,
-        "val_curve": val_curve,
-    }
+    result = {"variant": residual, "seed": seed, "parameters": model.num_parameters(),
+              "tokens_per_s": tokens_seen / train_seconds, "train_seconds": train_seconds,
+              "final_train_loss": mean_loss(model, train_eval_batches, args), "val_loss": val_curve[-1][1],
+              "train_curve": train_curve, "val_curve": val_curve}
     if profile_batches:
-        result["depth_profile"] = {"init": profile_init,
-                                   "trained": depth_profile(model, profile_batches, args)}
+        result["depth_profile"] = {"init": profile_init, "trained": depth_profile(model, profile_batches, args)}
     if residual != "standard":
-        result["block_size"] = cfg.stream_block_size
-        result["read_names"] = model.read_names()
-        result["source_names"] = model.source_names()
-        result["depth_weights"] = mean_depth_weights(model, val_batches, args)
+        result.update(block_size=cfg.stream_block_size, read_names=model.read_names(),
+                      source_names=model.source_names(), depth_weights=mean_depth_weights(model, val_batches, args))
     print(f"{label:>12}: val {result['val_loss']:.4f} train {result['final_train_loss']:.4f} "
-          f"({time.perf_counter() - started:.0f} s, {result['tokens_per_s']:.0f} tok/s)",
-          file=sys.stderr, flush=True)
+          f"({time.perf_counter() - started:.0f} s, {result['tokens_per_s']:.0f} tok/s)", file=sys.stderr, flush=True)
     return result
 
-
-# ---- aggregation ---------------------------------------------------------------------------
-
-
+# ---- aggregation --------------------------------------------------------------------------------
 def mean_sd(values: List[float]) -> Tuple[float, Optional[float]]:
     """Mean and sample standard deviation (None for a single value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
-
-def _mean_lists(lists: List[List[float]]) -> List[float]:
-    return [statistics.fmean(column) for column in zip(*lists)]
-
+def _mean_over_runs(values: List):
+    """The mean of numbers, or the element-wise mean of equally long lists."""
+    if isinstance(values[0], list):
+        return [statistics.fmean(column) for column in zip(*values)]
+    return statistics.fmean(values)
 
 def aggregate(runs: List[Dict], variants: List[str]) -> List[Dict]:
     """Per variant, over the seeds it completed: mean and sd of the losses,
@@ -402,40 +318,28 @@ def aggregate(runs: List[Dict], variants: List[str]) -> List[Dict]:
         mine = [r for r in runs if r["variant"] == variant]
         if not mine:
             continue
-        row = {
-            "variant": variant,
-            "seeds": [r["seed"] for r in mine],
-            "parameters": mine[0]["parameters"],
-            "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
-            "train_loss": mean_sd([r["final_train_loss"] for r in mine]),
-            "val_loss": mean_sd([r["val_loss"] for r in mine]),
-        }
+        row = {"variant": variant, "seeds": [r["seed"] for r in mine], "parameters": mine[0]["parameters"],
+               "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
+               "train_loss": mean_sd([r["final_train_loss"] for r in mine]),
+               "val_loss": mean_sd([r["val_loss"] for r in mine])}
         paired = [(r["val_loss"] - standard_val[r["seed"]]) for r in mine if r["seed"] in standard_val]
         if variant != "standard" and paired:
             row["val_minus_standard"] = mean_sd(paired)
             row["lower_than_standard"] = f"{sum(d < 0 for d in paired)}/{len(paired)}"
         if all("depth_profile" in r for r in mine):
-            row["depth_profile"] = {
-                when: {key: (_mean_lists([r["depth_profile"][when][key] for r in mine])
-                             if isinstance(mine[0]["depth_profile"][when][key], list)
-                             else statistics.fmean(r["depth_profile"][when][key] for r in mine))
-                       for key in mine[0]["depth_profile"][when]}
-                for when in ("init", "trained")
-            }
+            row["depth_profile"] = {when: {key: _mean_over_runs([r["depth_profile"][when][key] for r in mine])
+                                           for key in mine[0]["depth_profile"][when]}
+                                    for when in ("init", "trained")}
         if "depth_weights" in mine[0]:
-            row["depth_weights"] = [_mean_lists([r["depth_weights"][i] for r in mine])
-                                    for i in range(len(mine[0]["depth_weights"]))]
-            for key in ("block_size", "read_names", "source_names"):
-                row[key] = mine[0][key]
+            row["depth_weights"] = [_mean_over_runs(list(read)) for read in zip(*(r["depth_weights"] for r in mine))]
+            row.update({key: mine[0][key] for key in ("block_size", "read_names", "source_names")})
         rows.append(row)
     return rows
-
 
 def _pm(value: Tuple[float, Optional[float]], digits: int = 4, sign: bool = False) -> str:
     mean, sd = value
     text = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
     return text if sd is None else f"{text} ± {sd:.{digits}f}"
-
 
 def format_table(rows: List[Dict]) -> str:
     header = (f"{'variant':<9} {'seeds':>5} {'parameters':>10} {'tokens/s':>8}  {'train loss':<16} "
@@ -443,51 +347,45 @@ def format_table(rows: List[Dict]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         diff = _pm(r["val_minus_standard"], sign=True) if "val_minus_standard" in r else ""
-        lines.append(
-            f"{r['variant']:<9} {len(r['seeds']):>5} {r['parameters']:>10,} {r['tokens_per_s']:>8.0f}  "
-            f"{_pm(r['train_loss']):<16} {_pm(r['val_loss']):<16} {diff:<17} "
-            f"{r.get('lower_than_standard', ''):>5}"
-        )
+        lines.append(f"{r['variant']:<9} {len(r['seeds']):>5} {r['parameters']:>10,} {r['tokens_per_s']:>8.0f}  "
+                     f"{_pm(r['train_loss']):<16} {_pm(r['val_loss']):<16} {diff:<17} "
+                     f"{r.get('lower_than_standard', ''):>5}")
     return "\n".join(lines)
 
-
-# ---- plots ------------------------------------------------------------------------------------
-
-
-def plot_loss_curves(runs: List[Dict], rows: List[Dict], path: Path) -> None:
+# ---- plots --------------------------------------------------------------------------------------
+def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
-        mine = [r for r in runs if r["variant"] == row["variant"]]
-        curve = torch.tensor(_mean_lists([r["train_curve"] for r in mine]))
-        window = max(1, len(curve) // 25)
-        smooth = curve.unfold(0, window, 1).mean(1) if window > 1 else curve
-        steps = torch.arange(window, len(curve) + 1)
-        (line,) = ax.plot(steps, smooth, alpha=0.8,
-                          label=f"{row['variant']} train (mean of {window} steps, {len(mine)} seeds)")
-        vs = [s for s, _ in mine[0]["val_curve"]]
-        vl = np.array([[v for _, v in r["val_curve"]] for r in mine])
-        ax.plot(vs, vl.mean(0), "o--", color=line.get_color(), label=f"{row['variant']} val (mean)")
-        if len(mine) > 1:
-            sd = vl.std(0, ddof=1)
-            ax.fill_between(vs, vl.mean(0) - sd, vl.mean(0) + sd, color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title("Training on Python source (byte level); band: ± 1 sd over seeds")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+def plot_loss_curves(runs: List[Dict], rows: List[Dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        mine = [r for r in runs if r["variant"] == row["variant"]]
+        curve = torch.tensor(_mean_over_runs([r["train_curve"] for r in mine]))
+        window = max(1, len(curve) // 25)
+        smooth = curve.unfold(0, window, 1).mean(1) if window > 1 else curve
+        (line,) = ax.plot(torch.arange(window, len(curve) + 1), smooth, alpha=0.8,
+                          label=f"{row['variant']} train (mean of {window} steps, {len(mine)} seeds)")
+        val_steps = [s for s, _ in mine[0]["val_curve"]]
+        val = np.array([[v for _, v in r["val_curve"]] for r in mine])
+        ax.plot(val_steps, val.mean(0), "o--", color=line.get_color(), label=f"{row['variant']} val (mean)")
+        if len(mine) > 1:
+            sd = val.std(0, ddof=1)
+            ax.fill_between(val_steps, val.mean(0) - sd, val.mean(0) + sd, color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
+           title="Training on Python source (byte level); band: ± 1 sd over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
 
 def plot_depth_weights(row: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
-
-    reads, sources = row["read_names"], row["source_names"]
+    reads, sources, full = row["read_names"], row["source_names"], row["block_size"] is None
     grid = np.full((len(reads), len(sources)), np.nan)
     for i, weights in enumerate(row["depth_weights"]):
         grid[i, : len(weights)] = weights  # source k is always slot k; later slots unseen yet
@@ -495,100 +393,59 @@ def plot_depth_weights(row: Dict, path: Path) -> None:
     cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     if len(sources) <= 40:
-        for i in range(grid.shape[0]):
-            for j in range(grid.shape[1]):
-                if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if grid[i, j] < 0.6 else "black")
-    if row["block_size"] is None:
-        ax.set_xticks(range(len(sources)), sources, rotation=45, ha="right")
-    else:  # two-line block labels read better upright
-        ax.set_xticks(range(len(sources)), sources, fontsize=8)
+        for (i, j), weight in np.ndenumerate(grid):
+            if not np.isnan(weight):
+                ax.text(j, i, f"{weight:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if weight < 0.6 else "black")
+    # Two-line block labels read better upright.
+    ax.set_xticks(range(len(sources)), sources, **(dict(rotation=45, ha="right") if full else dict(fontsize=8)))
     ax.set_yticks(range(len(reads)), reads)
-    ax.set_xlabel("source")
-    ax.set_ylabel("reading sublayer (destination)")
-    mode = "Full AttnRes" if row["block_size"] is None else f"Block AttnRes, S = {row['block_size']}"
-    note = "grey: not yet a source" if row["block_size"] is None else "a block is a partial sum while it runs; grey: not yet a source"
+    ax.set(xlabel="source", ylabel="reading sublayer (destination)")
+    mode = "Full AttnRes" if full else f"Block AttnRes, S = {row['block_size']}"
+    note = "grey: not yet a source" if full else "a block is a partial sum while it runs; grey: not yet a source"
     ax.set_title(f"Mean depth-attention weight on validation data, {mode}, mean of {len(row['seeds'])} seeds\n({note})",
                  fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="weight")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
+    _save(fig, path)
 
 def plot_depth_profile(rows: List[Dict], sublayer_names: List[str], path: Path) -> None:
     import matplotlib.pyplot as plt
-
-    panels = [
-        ("input_rms", "RMS of the sublayer input (before its norm)"),
-        ("output_rms", "RMS of the sublayer output"),
-        ("share", "output RMS / input RMS (the sublayer's share)"),
-        ("grad_norm", "|d loss / d output| per token"),
-    ]
+    panels = {"input_rms": "RMS of the sublayer input (before its norm)", "output_rms": "RMS of the sublayer output",
+              "share": "output RMS / input RMS (the sublayer's share)", "grad_norm": "|d loss / d output| per token"}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     x = range(len(sublayer_names))
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels.items()):
         for row in rows:
             for when, style in (("trained", dict(ls="-", marker="o", ms=3)), ("init", dict(ls=":", lw=1))):
                 prof = row["depth_profile"][when]
-                ys = ([o / i for o, i in zip(prof["output_rms"], prof["input_rms"])]
-                      if key == "share" else prof[key])
+                ys = [o / i for o, i in zip(prof["output_rms"], prof["input_rms"])] if key == "share" else prof[key]
                 color = {"standard": "C0", "full": "C1", "block": "C2"}[row["variant"]]
                 ax.plot(x, ys, color=color, label=f"{row['variant']} ({when})", **style)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3, which="both")
+    step = max(1, len(sublayer_names) // 12)
     for ax in axes[1]:
-        step = max(1, len(sublayer_names) // 12)
         ax.set_xticks(list(x)[::step], sublayer_names[::step], rotation=45, ha="right", fontsize=8)
         ax.set_xlabel("sublayer")
     axes[0, 0].legend(fontsize=7, ncol=2)
-    seeds = len(rows[0]["seeds"])
-    fig.suptitle(f"Depth profile on validation data (mean of {seeds} seeds): solid trained, dotted at init",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.suptitle(f"Depth profile on validation data (mean of {len(rows[0]['seeds'])} seeds): "
+                 "solid trained, dotted at init", fontsize=10)
+    _save(fig, path)
 
-
-# ---- main ------------------------------------------------------------------------------------
-
-
+# ---- main ---------------------------------------------------------------------------------------
 def _load_average() -> Optional[float]:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # not on every platform
         return None
 
-
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _write_summary(path: Path, args, corpus: Dict, machine: Dict, runs, rows, table, wall, complete, note):
-    summary = {
-        "complete": complete,
-        "note": note,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-        "corpus": corpus,
-        "machine": machine,
-        "wall_seconds": wall,
-        "table": table,
-        "variants": rows,
-        "runs": runs,
-    }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(path)  # a reader never sees half a file
-
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):  # not Linux, or no model name listed
+        return platform.processor() or platform.machine()
 
 def run(args) -> int:
     resolve_preset(args)
@@ -598,10 +455,8 @@ def run(args) -> int:
         return 2
     if args.preset == "gpu" and args.device == "cpu":
         print("warning: the gpu preset's sizes on the CPU take many hours per run; "
-              "pass smaller sizes (--steps, --d-model, --layers, ...) to run it here",
-              file=sys.stderr, flush=True)
+              "pass smaller sizes (--steps, --d-model, --layers, ...) to run it here", file=sys.stderr, flush=True)
     import matplotlib
-
     matplotlib.use("Agg")
 
     roots = corpus_roots(args.corpus)
@@ -610,66 +465,59 @@ def run(args) -> int:
     if len(val_tokens) <= args.seq_len + 1:
         print(f"the corpus ({len(data):,} bytes) is too small for --seq-len {args.seq_len}", file=sys.stderr)
         return 2
-    device_name = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name()
+    cuda_name = torch.cuda.get_device_name() if args.device == "cuda" else None
     seeds = list(range(args.seed, args.seed + args.seeds))
-    print(
-        f"corpus: {len(data):,} bytes of .py files under {', '.join(roots)} "
-        f"({len(train_tokens):,} train / {len(val_tokens):,} val)\n"
-        f"model: d_model={args.d_model} layers={args.layers} ({2 * args.layers} sublayers) "
-        f"heads={args.heads} seq_len={args.seq_len} batch={args.batch} steps={args.steps} "
-        f"block_size={args.block_size} lr={args.lr} attnres_lr_scale={args.attnres_lr_scale} "
-        f"amp={args.amp} seeds={seeds} preset={args.preset}\n"
-        f"device={args.device} ({device_name}, {torch.get_num_threads()} threads)",
-        flush=True,
-    )
+    print(f"corpus: {len(data):,} bytes of .py files under {', '.join(roots)} "
+          f"({len(train_tokens):,} train / {len(val_tokens):,} val)\n"
+          f"model: d_model={args.d_model} layers={args.layers} ({2 * args.layers} sublayers) "
+          f"heads={args.heads} seq_len={args.seq_len} batch={args.batch} steps={args.steps} "
+          f"block_size={args.block_size} lr={args.lr} attnres_lr_scale={args.attnres_lr_scale} "
+          f"amp={args.amp} seeds={seeds} preset={args.preset}\n"
+          f"device={args.device} ({cuda_name or cpu_name()}, {torch.get_num_threads()} threads)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
-    corpus = {"roots": roots, "bytes": len(data), "train": len(train_tokens), "val": len(val_tokens)}
-    machine = {
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_1min_before": _load_average(),
-        "torch": torch.__version__,
-        "cuda_device": torch.cuda.get_device_name() if args.device == "cuda" else None,
-    }
+    context = {  # what summary.json says about the run besides its results
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "corpus": {"roots": roots, "bytes": len(data), "train": len(train_tokens), "val": len(val_tokens)},
+        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "load_average_1min_before": _load_average(),
+                    "torch": torch.__version__, "cuda_device": cuda_name}}
+
+    def write_summary(rows, table, wall, complete, note):
+        summary = {"complete": complete, "note": note, **context,
+                   "wall_seconds": wall, "table": table, "variants": rows, "runs": runs}
+        tmp = summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(summary_path)  # a reader never sees half a file
+
     val_batches = fixed_batches(val_tokens, args.eval_batches, args.batch, args.seq_len, _VALIDATION_SEED, args.device)
     train_eval_batches = fixed_batches(train_tokens, args.eval_batches, args.batch, args.seq_len,
                                        _VALIDATION_SEED + 1, args.device)
-
-    started = time.perf_counter()
-    runs: List[Dict] = []
-    note = None
+    started, runs, note = time.perf_counter(), [], None
     # Seed-major order: a run cut short by --max-minutes leaves complete pairs.
     plan = [(seed, variant) for seed in seeds for variant in args.variants]
     for index, (seed, variant) in enumerate(plan):
         elapsed = time.perf_counter() - started
-        if args.max_minutes is not None and index:
-            projected = elapsed + elapsed / index
-            if projected > 60 * args.max_minutes:
-                note = (f"stopped after {index} of {len(plan)} runs: the next would end at about "
-                        f"{projected / 60:.0f} min, past --max-minutes {args.max_minutes:g}")
-                print(note, file=sys.stderr, flush=True)
-                break
+        projected = elapsed + elapsed / index if index else 0.0  # when the next run would end
+        if args.max_minutes is not None and projected > 60 * args.max_minutes:
+            note = (f"stopped after {index} of {len(plan)} runs: the next would end at about "
+                    f"{projected / 60:.0f} min, past --max-minutes {args.max_minutes:g}")
+            print(note, file=sys.stderr, flush=True)
+            break
         runs.append(train_run(variant, seed, args, train_tokens, val_batches, train_eval_batches))
         if index == 0 and len(plan) > 1:
             per_run = time.perf_counter() - started
             print(f"first run took {per_run:.0f} s; all {len(plan)} runs: about "
                   f"{per_run * len(plan) / 60:.1f} min", file=sys.stderr, flush=True)
         rows = aggregate(runs, args.variants)
-        _write_summary(summary_path, args, corpus, machine, runs, rows, format_table(rows),
-                       time.perf_counter() - started, complete=False, note="in progress")
+        write_summary(rows, format_table(rows), time.perf_counter() - started, complete=False, note="in progress")
     wall = time.perf_counter() - started
-    machine["load_average_1min_after"] = load_after = _load_average()
+    context["machine"]["load_average_1min_after"] = load_after = _load_average()
 
     rows = aggregate(runs, args.variants)
     table = format_table(rows)
-    print()
-    print(table)
-    print(f"\n(mean ± sd over seeds; 'val - standard' is the paired difference, same seed; "
-          f"'lower': seeds where the variant's val loss is below the standard model's)")
-    print(f"wall time: {wall:.0f} s")
+    print(f"\n{table}\n\n(mean ± sd over seeds; 'val - standard' is the paired difference, same seed; "
+          f"'lower': seeds where the variant's val loss is below the standard model's)\nwall time: {wall:.0f} s")
     if load_after is not None and load_after > os.cpu_count():
         # tokens/s from a shared, busy machine are not comparable with other runs
         print(f"note: 1-minute load average {load_after:.1f} on {os.cpu_count()} CPUs: "
@@ -683,9 +531,7 @@ def run(args) -> int:
             plot_depth_weights(row, written[-1])
     if rows and all("depth_profile" in row for row in rows):
         written.append(args.out / "depth_profile.png")
-        names = [f"L{i}.{kind}" for i in range(args.layers) for kind in ("attn", "mlp")]
-        plot_depth_profile(rows, names, written[-1])
-    _write_summary(summary_path, args, corpus, machine, runs, rows, table, wall, complete=note is None, note=note)
-    written.append(summary_path)
-    print("wrote " + ", ".join(str(p) for p in written))
+        plot_depth_profile(rows, [f"L{i}.{kind}" for i in range(args.layers) for kind in ("attn", "mlp")], written[-1])
+    write_summary(rows, table, wall, complete=note is None, note=note)
+    print("wrote " + ", ".join(str(p) for p in [*written, summary_path]))
     return 0
