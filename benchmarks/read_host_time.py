@@ -42,7 +42,7 @@ def main() -> None:
     outputs = [torch.randn(1, 1, D) for _ in range(L)]
 
     def stream_forward(mode):
-        stream = DepthStream(embedding, block_size=S, block_reads=mode)
+        stream = DepthStream(embedding, block_size=S, block_reads=mode, readers=readers)
         h = None
         for reader, f in zip(readers, outputs):
             h = reader(stream)
@@ -60,7 +60,7 @@ def main() -> None:
         fns[f"Block {mode}"] = lambda mode=mode: stream_forward(mode)
     load_before = os.getloadavg()
     with torch.no_grad():
-        for fn in fns.values():  # the readers learn their order; first touches
+        for fn in fns.values():  # first touches
             fn(), fn()
         med = block_reads.interleaved(fns, args.repeats)
     machine = block_reads.machine_name()

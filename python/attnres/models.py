@@ -157,13 +157,15 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, weights: Optional[list] = None):
         """Standard: ``x -> x + attn(...) + mlp(...)``. AttnRes: ``x`` is a
-        DepthStream; appends this block's two outputs to it and returns them;
-        with ``weights`` a list, also appends the depth weights of both reads.
-        One entry point, so module hooks (FSDP, ...) see every call."""
+        DepthStream; returns a new stream with this block's two outputs
+        appended, leaving ``x`` as it was (the layer contract: wrappers may
+        hand the layer a rebuilt stream, checkpointing reruns it on the same
+        one); with ``weights`` a list, also appends the depth weights of both
+        reads. One entry point, so module hooks (FSDP, ...) see every call."""
         if not self.uses_attnres:
             x = x + self.attn(self.ln1(x))
             return x + self.mlp(self.ln2(x))
-        stream = x
+        stream = x.clone()
         if weights is None:
             attn_out = self.attn(self.ln1(self.res_attn(stream)))
             stream.append(attn_out)
@@ -177,7 +179,7 @@ class TransformerBlock(nn.Module):
             weights.append(w)
             mlp_out = self.mlp(self.ln2(h))
         stream.append(mlp_out)
-        return attn_out, mlp_out
+        return stream
 
 
 class GPT(nn.Module):
@@ -235,18 +237,17 @@ class GPT(nn.Module):
                 else:
                     x = blk(x)
         else:
+            readers = self.readers()
+            if not all(isinstance(r, AttnResResidual) for r in readers):
+                readers = None  # reads swapped for other modules: each reads on its own
             stream = DepthStream(x, block_size=self.cfg.stream_block_size,
-                                 block_reads=self.cfg.block_reads)
+                                 block_reads=self.cfg.block_reads, readers=readers)
             weights = [] if return_depth_weights else None
             for blk in self.blocks:
                 if self.cfg.checkpoint_blocks and self.training and weights is None:
-                    attn_out, mlp_out = checkpoint(
-                        _block_outputs, blk, stream.clone(), use_reentrant=False
-                    )
-                    stream.append(attn_out)
-                    stream.append(mlp_out)
+                    stream = checkpoint(blk, stream, use_reentrant=False)
                 else:
-                    blk(stream, weights)
+                    stream = blk(stream, weights)
             if weights is None:
                 x = self.final_res(stream)
             else:
@@ -259,6 +260,12 @@ class GPT(nn.Module):
         if return_depth_weights:
             return logits, loss, weights
         return logits, loss
+
+    def readers(self) -> List[nn.Module]:
+        """The depth reads in forward order (what the stream's ``readers``
+        declares): attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, final."""
+        reads = [r for blk in self.blocks for r in (blk.res_attn, blk.res_mlp)]
+        return reads + [self.final_res]
 
     def read_names(self) -> List[str]:
         """Names of the depth reads, in the order of the returned weights."""
@@ -280,8 +287,3 @@ class GPT(nn.Module):
             names.append(f"block {b + 1}\n{span}")
         return names
 
-
-def _block_outputs(blk: TransformerBlock, stream: DepthStream):
-    """Both outputs of ``blk`` given the sources in ``stream``, leaving
-    ``stream`` as it is: checkpoint recomputation must see the same sources."""
-    return blk(stream.clone())

@@ -13,7 +13,8 @@ them through its own :class:`AttnResResidual`::
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,26 +34,23 @@ _AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-class _Token:
-    """Identity of one forward pass's read state (compared with ``is``)."""
+class _PhaseOne(NamedTuple):
+    """Phase 1 of one block (docs/design.md §10)."""
 
-    __slots__ = ()
+    last_completed: torch.Tensor  # identifies the block's completed sources
+    readers: Tuple["AttnResResidual", ...]
+    partials: List[Optional[torch.Tensor]]  # None once an in-place merge consumed it
+    lse: torch.Tensor
+    with_grad: bool  # made under grad mode: its results carry a graph
 
 
-class _ReadState:
-    """What a stream and all its clones share about the reads of one forward
-    pass (docs/design.md §10): the phase-1 results by block (keyed by the
-    number of completed sources) and the last read, from which readers learn
-    their successors. Shared, so a checkpointed segment that starts mid-block
-    uses the phase-1 result computed before it, and its recomputation takes
-    the same path as its first run."""
+class StreamSpec(NamedTuple):
+    """What :meth:`DepthStream.flatten` returns beside the tensors."""
 
-    __slots__ = ("token", "entries", "last")
-
-    def __init__(self):
-        self.token = _Token()
-        self.entries: Dict[int, tuple] = {}
-        self.last: Optional[tuple] = None
+    block_size: Optional[int]
+    num_outputs: int
+    block_reads: str
+    readers: Optional[Tuple["AttnResResidual", ...]]
 
 
 def _check_block_size(block_size) -> Optional[int]:
@@ -81,6 +79,13 @@ class DepthStream:
     holds at least one output) the current block's partial sum.
     ``block_size=1`` gives the same sources as Full.
 
+    ``readers`` (Block streams) declares the model's reads in forward order:
+    ``readers[k]`` is the :class:`AttnResResidual` that reads after ``k``
+    outputs were appended (the last one usually the final read). With it a
+    block's reads can share one pass over its completed sources (two-phase
+    reads, ``block_reads``; docs/design.md §10); without it every read is one
+    call. Either way the result is the same read.
+
     dtype rule: every source has the embedding's dtype (the "stream dtype").
     Inside ``torch.autocast`` the sublayer outputs come out in the autocast
     dtype, so :meth:`append` casts them to the stream dtype there, the same
@@ -90,11 +95,13 @@ class DepthStream:
 
     The stream holds references, never copies: Full keeps each appended
     tensor itself; Block builds partial sums out of place so autograd sees
-    every step.
+    every step. It is a pytree of its tensors (:meth:`flatten`), so FSDP2,
+    pipelining, checkpointing, hooks and ``torch.compile`` see them.
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None, *,
-                 block_reads: str = "auto"):
+                 block_reads: str = "auto",
+                 readers: Optional[Sequence["AttnResResidual"]] = None):
         if not isinstance(embedding, torch.Tensor):
             raise TypeError(f"embedding must be a tensor [..., D], got {type(embedding).__name__}")
         if embedding.dim() < 1 or embedding.shape[-1] == 0:
@@ -108,13 +115,80 @@ class DepthStream:
             raise ValueError(
                 f"block_reads must be one of {', '.join(map(repr, _BLOCK_READS))}, got {block_reads!r}"
             )
+        if readers is not None:
+            readers = tuple(readers)
+            for r in readers:
+                if not isinstance(r, AttnResResidual):
+                    raise TypeError(
+                        f"readers must be AttnResResidual modules in read order, got {type(r).__name__}"
+                    )
+        if block_reads == "two_phase" and readers is None and (self.block_size or 1) > 1:
+            raise ValueError(
+                "block_reads='two_phase' needs the stream's readers declared: "
+                "DepthStream(..., readers=[the AttnResResidual modules in read order])"
+            )
         self.block_reads = block_reads
-        self._reads = _ReadState()
+        self.readers: Optional[Tuple[AttnResResidual, ...]] = readers
+        self._phase_one: Dict[int, _PhaseOne] = {}
+        self._reentrant_checkpoint = False  # built by attnres.checkpoint's reentrant form
         self.embedding = embedding
         self._completed: List[torch.Tensor] = [embedding]
         self._partial: Optional[torch.Tensor] = None
         self._in_partial = 0  # outputs summed into the current block so far
         self.num_outputs = 0  # sublayer outputs appended so far
+
+    @classmethod
+    def from_sources(cls, embedding: torch.Tensor, completed: Sequence[torch.Tensor] = (),
+                     partial: Optional[torch.Tensor] = None, *, block_size: Optional[int] = None,
+                     partial_count: int = 0, block_reads: str = "auto",
+                     readers: Optional[Sequence["AttnResResidual"]] = None) -> "DepthStream":
+        """A stream from its parts, e.g. on the next pipeline stage: Full,
+        the outputs so far as ``completed``; Block, the completed block sums
+        as ``completed`` and the current block's partial sum with the number
+        of outputs in it (``partial_count``, 0 without a partial sum)."""
+        stream = cls(embedding, block_size, block_reads=block_reads, readers=readers)
+        S = stream.block_size
+        if isinstance(partial_count, bool) or not isinstance(partial_count, int):
+            raise TypeError(f"partial_count must be an int, got {type(partial_count).__name__}")
+        if S is None and (partial is not None or partial_count):
+            raise ValueError("a Full stream (block_size=None) has no partial sum")
+        if S is not None and (partial is None) != (partial_count == 0):
+            raise ValueError(
+                f"partial and partial_count go together: a partial sum holds 1 .. S-1 outputs, "
+                f"got partial={'None' if partial is None else 'a tensor'}, partial_count={partial_count}"
+            )
+        if S is not None and not 0 <= partial_count < S:
+            raise ValueError(f"partial_count must be in [0, block_size) = [0, {S}), got {partial_count}")
+        stream._completed += [stream._checked_output(c, "from_sources") for c in completed]
+        if partial is not None:
+            stream._partial = stream._checked_output(partial, "from_sources")
+        stream._in_partial = partial_count
+        stream.num_outputs = len(completed) * (S or 1) + partial_count
+        return stream
+
+    def flatten(self) -> Tuple[List[torch.Tensor], StreamSpec]:
+        """``(tensors, spec)``: :attr:`sources` and what rebuilds the stream
+        from them (:meth:`unflatten`); the pytree form of the stream."""
+        return self.sources, StreamSpec(self.block_size, self.num_outputs, self.block_reads,
+                                        self.readers)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The stream's tensors: :attr:`sources`, the flat form's leaves."""
+        return self.sources
+
+    @classmethod
+    def unflatten(cls, tensors: Sequence[torch.Tensor], spec: StreamSpec) -> "DepthStream":
+        """The stream :meth:`flatten` described, with ``tensors`` as its sources."""
+        tensors = list(tensors)
+        S = spec.block_size
+        partial_count = 0 if S is None else spec.num_outputs % S
+        expected = 1 + (spec.num_outputs if S is None else spec.num_outputs // S) + (partial_count > 0)
+        if len(tensors) != expected:
+            raise ValueError(f"DepthStream.unflatten: the spec needs {expected} tensors, got {len(tensors)}")
+        partial = tensors.pop() if partial_count else None
+        return cls.from_sources(tensors[0], tensors[1:], partial, block_size=S,
+                                partial_count=partial_count, block_reads=spec.block_reads,
+                                readers=spec.readers)
 
     @property
     def shape(self) -> torch.Size:
@@ -174,22 +248,30 @@ class DepthStream:
 
         Appending to the clone leaves this stream as it is, which is what
         activation checkpointing needs: the recomputation must start from
-        the sources the first run saw.
+        the sources the first run saw. The clone shares this stream's phase-1
+        results (docs/design.md §10).
         """
-        other = DepthStream.__new__(DepthStream)
-        other.block_size = self.block_size
-        other.block_reads = self.block_reads
-        other._reads = self._reads  # shared: docs/design.md §10
-        other.embedding = self.embedding
-        other._completed = list(self._completed)
-        other._partial = self._partial
-        other._in_partial = self._in_partial
-        other.num_outputs = self.num_outputs
-        return other
+        return DepthStream._build(self.embedding, list(self._completed), self._partial,
+                                  self._in_partial, self.num_outputs, self.block_size,
+                                  self.block_reads, self.readers, self._phase_one,
+                                  self._reentrant_checkpoint)
+
+    @staticmethod
+    def _build(embedding, completed, partial, in_partial, num_outputs, block_size, block_reads,
+               readers, phase_one, reentrant_checkpoint) -> "DepthStream":
+        """A stream from its fields, unchecked (clone, the pytree unflatten)."""
+        stream = DepthStream.__new__(DepthStream)
+        stream.block_size, stream.block_reads, stream.readers = block_size, block_reads, readers
+        stream._phase_one, stream._reentrant_checkpoint = phase_one, reentrant_checkpoint
+        stream.embedding, stream._completed, stream._partial = embedding, completed, partial
+        stream._in_partial, stream.num_outputs = in_partial, num_outputs
+        return stream
 
     def _two_phase(self, num_completed: int) -> bool:
         """Whether the reads of the current block use the two-phase ops."""
-        if self.block_size is None or self.block_size < 2 or self.block_reads == "one_call":
+        if self.readers is None or self.block_size is None or self.block_size < 2:
+            return False
+        if self.block_reads == "one_call":
             return False
         if self.device.type not in ("cpu", "cuda") or self.dtype not in _TWO_PHASE_DTYPES:
             return False
@@ -203,27 +285,33 @@ class DepthStream:
             return False
         return num_completed >= _AUTO_MIN_COMPLETED
 
+    def _check_declared(self, reader: "AttnResResidual") -> None:
+        k = self.num_outputs
+        if k >= len(self.readers) or self.readers[k] is not reader:
+            declared = "none" if k >= len(self.readers) else f"reader {k} of the declared list"
+            raise ValueError(
+                f"DepthStream: the read after {k} outputs is not the one the stream's readers "
+                f"declare there ({declared}); declare every read in forward order, or build the "
+                "stream without readers"
+            )
+
     def _read(self, reader: "AttnResResidual") -> torch.Tensor:
-        """h for ``reader`` (docs/design.md §10): phase 1 at the first read of
-        a block, for the readers the first one has learned follow it; phase
-        2 at a later read whose reader phase 1 included at this position;
-        a one-call read otherwise (same result)."""
-        state = self._reads
-        pos, num_completed = self._in_partial, len(self._completed)
-        last = state.last
-        if pos > 0 and last is not None and last[1] == num_completed and last[2] == pos - 1:
-            last[0]._learn_successor(reader, state.token)
-        state.last = (reader, num_completed, pos)
+        """h for ``reader`` (docs/design.md §10): with declared readers, phase
+        1 at the first read of a block for the block's readers, phase 2 at a
+        later read of it; a one-call read otherwise. The path depends only
+        on the configuration, the grad mode and the inputs."""
+        if self.readers is not None:
+            self._check_declared(reader)
+        num_completed = len(self._completed)
         if not self._two_phase(num_completed):
             return reader._one_call(self.sources)
+        pos, grad = self._in_partial, torch.is_grad_enabled()
         if pos == 0:
             readers = [reader]
-            nxt = reader._successor(state.token)
-            while nxt is not None and len(readers) < self.block_size:
+            for nxt in self.readers[self.num_outputs + 1: self.num_outputs + self.block_size]:
                 if not reader._can_share_phase_one(nxt) or any(nxt is r for r in readers):
                     break
                 readers.append(nxt)
-                nxt = nxt._successor(state.token)
             params = [r._read_params() for r in readers]
             queries = torch.stack([q for q, _, _ in params])
             gains = None
@@ -233,48 +321,52 @@ class DepthStream:
             # partials[0] is its final read (docs/design.md §11).
             partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps,
                                         out_weight=params[0][2], out_eps=reader.out_eps)
-            if not torch.is_grad_enabled():
-                state.entries.clear()  # nothing to recompute: keep one block's partials only
-            state.entries[num_completed] = (self._completed[-1], readers, partials, lse)
+            if not grad:
+                self._phase_one.clear()  # nothing to recompute: keep one block's partials only
+            self._phase_one[num_completed] = _PhaseOne(self._completed[-1], tuple(readers),
+                                                       list(partials), lse, grad)
             return partials[0]
-        entry = state.entries.get(num_completed)
-        if (entry is None or entry[0] is not self._completed[-1] or pos >= len(entry[1])
-                or entry[1][pos] is not reader or entry[2][pos] is None):
+        entry = self._phase_one.get(num_completed)
+        if (entry is None or entry.last_completed is not self._completed[-1]
+                or pos >= len(entry.readers) or entry.readers[pos] is not reader
+                or entry.partials[pos] is None or (grad and not entry.with_grad)):
+            # A phase 1 made without grad has no graph to give a read with grad.
             return reader._one_call(self.sources)
         # Phase 2 fuses the reader's output norm when it has one (§11).
         query, gain, out_weight = reader._read_params()
-        if torch.is_grad_enabled():
+        if grad or entry.with_grad:
+            # Out of place; under no_grad the result has no graph.
             return block_read_merge(
-                entry[2][pos], entry[3][pos], self._partial, query, gain,
+                entry.partials[pos], entry.lse[pos], self._partial, query, gain,
                 eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
         # Inference: h (y with an output norm) overwrites the partial output
         # it consumes (no new output allocated); a second read at this
         # position reads one-call.
-        partial = entry[2][pos]
-        entry[2][pos] = None
+        partial = entry.partials[pos]
+        entry.partials[pos] = None
         return block_read_merge_inplace(
-            partial, entry[3][pos], self._partial, query, gain,
+            partial, entry.lse[pos], self._partial, query, gain,
             eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
 
-    def _checked_output(self, f) -> torch.Tensor:
+    def _checked_output(self, f, where: str = "append") -> torch.Tensor:
         if not isinstance(f, torch.Tensor):
-            raise TypeError(f"DepthStream.append expects a tensor, got {type(f).__name__}")
+            raise TypeError(f"DepthStream.{where} expects a tensor, got {type(f).__name__}")
         if f.shape != self.embedding.shape:
             raise ValueError(
-                f"DepthStream.append: output has shape {list(f.shape)} but the stream's "
+                f"DepthStream.{where}: output has shape {list(f.shape)} but the stream's "
                 f"embedding has shape {list(self.embedding.shape)}; every sublayer output "
                 "must have the embedding's shape"
             )
         if f.device != self.device:
             raise ValueError(
-                f"DepthStream.append: output is on device {f.device} but the stream is on "
+                f"DepthStream.{where}: output is on device {f.device} but the stream is on "
                 f"device {self.device}"
             )
         if f.dtype != self.dtype:
             if f.is_floating_point() and torch.is_autocast_enabled(f.device.type):
                 return f.to(self.dtype)
             raise TypeError(
-                f"DepthStream.append: output has dtype {f.dtype} but the stream's dtype "
+                f"DepthStream.{where}: output has dtype {f.dtype} but the stream's dtype "
                 f"(its embedding's) is {self.dtype}; outside torch.autocast every output "
                 "must have the stream dtype"
             )
@@ -338,28 +430,7 @@ class AttnResResidual(nn.Module):
             self.out_weight = nn.Parameter(torch.empty(dim, **factory))
         else:
             self.register_parameter("out_weight", None)
-        # The reader that read right after this one in the same block, as
-        # learned from the streams (docs/design.md §10). Plain attributes,
-        # not submodules: object.__setattr__ keeps nn.Module from
-        # registering them. A link learned during one forward pass takes
-        # effect from the next one, so an activation-checkpoint
-        # recomputation takes the same path as its first run.
-        object.__setattr__(self, "_next_reader", None)
-        object.__setattr__(self, "_pending_next_reader", None)
         self.reset_parameters()
-
-    def _learn_successor(self, reader: "AttnResResidual", token) -> None:
-        if reader is not self._next_reader:
-            object.__setattr__(self, "_pending_next_reader", (token, reader))
-        elif self._pending_next_reader is not None:
-            object.__setattr__(self, "_pending_next_reader", None)
-
-    def _successor(self, token) -> Optional["AttnResResidual"]:
-        pending = self._pending_next_reader
-        if pending is not None and pending[0] is not token:
-            object.__setattr__(self, "_next_reader", pending[1])
-            object.__setattr__(self, "_pending_next_reader", None)
-        return self._next_reader
 
     def _read_params(self):
         """(query, norm_weight, out_weight), from ``_parameters`` directly: a
@@ -370,11 +441,12 @@ class AttnResResidual(nn.Module):
 
     def _can_share_phase_one(self, other) -> bool:
         """Whether ``other`` can be read in this reader's phase-1 call (one
-        eps, stackable parameters)."""
+        eps, stackable parameters of one tensor type: under FSDP2 another
+        layer's parameters are sharded DTensors between its forwards)."""
         if not isinstance(other, AttnResResidual) or other.dim != self.dim or other.eps != self.eps:
             return False
         (q0, g0, w0), (q1, g1, w1) = self._read_params(), other._read_params()
-        if (q1.dtype, q1.device) != (q0.dtype, q0.device):
+        if (type(q1), q1.dtype, q1.device) != (type(q0), q0.dtype, q0.device):
             return False
         if (g0 is None) != (g1 is None) or (w0 is None) != (w1 is None):
             return False
@@ -406,6 +478,8 @@ class AttnResResidual(nn.Module):
                 f"AttnResResidual has width dim = {self.dim} but the DepthStream has width "
                 f"D = {stream.width}"
             )
+        if not torch.is_grad_enabled() and not stream._reentrant_checkpoint:
+            _refuse_reentrant_checkpoint(stream)
         if return_weights or stream.block_size is None:
             return self._one_call(stream.sources, return_weights)
         return stream._read(self)
@@ -415,3 +489,72 @@ class AttnResResidual(nn.Module):
         if self.out_norm is not None:
             text += f", out_norm={self.out_norm!r}, out_eps={self.out_eps}"
         return text
+
+
+def _refuse_reentrant_checkpoint(stream: DepthStream) -> None:
+    """Raises inside ``torch.utils.checkpoint(..., use_reentrant=True)`` when
+    the stream's sources need gradients: that form passes gradients only to
+    top-level tensor arguments, so a stream's would be lost without a word."""
+    if torch.compiler.is_compiling() or not any(t.requires_grad for t in stream.sources):
+        return
+    code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            raise RuntimeError(
+                "a DepthStream read inside torch.utils.checkpoint(..., use_reentrant=True): that "
+                "form gives gradients only to top-level tensor arguments, so the stream's sources "
+                "would get none. Use attnres.checkpoint(fn, stream, ...) (either form) or "
+                "use_reentrant=False"
+            )
+        frame = frame.f_back
+
+
+def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kwargs):
+    """``torch.utils.checkpoint.checkpoint(fn, stream, *args)`` for a function
+    of a :class:`DepthStream` (a layer that takes the stream and returns a
+    new one, or any pytree of streams and tensors). ``fn`` must not append
+    to the stream it is given: clone it first (the recomputation must see
+    the same sources). With ``use_reentrant=True`` the stream travels as its
+    tensors, the only arguments that form gives gradients to."""
+    if not isinstance(stream, DepthStream):
+        raise TypeError(f"attnres.checkpoint expects a DepthStream, got {type(stream).__name__}")
+    if not use_reentrant:
+        return torch.utils.checkpoint.checkpoint(fn, stream, *args, use_reentrant=False, **kwargs)
+    tensors, spec = stream.flatten()
+    n = len(tensors)
+    out_spec = []
+
+    def run(*flat):
+        inner = DepthStream.unflatten(flat[:n], spec)
+        inner._reentrant_checkpoint = True
+        leaves, tree = torch.utils._pytree.tree_flatten(fn(inner, *flat[n:]))
+        out_spec[:] = [tree]
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"attnres.checkpoint: fn must return streams and tensors, got {type(leaf).__name__}"
+                )
+        return tuple(leaves)
+
+    leaves = torch.utils.checkpoint.checkpoint(run, *tensors, *args, use_reentrant=True, **kwargs)
+    return torch.utils._pytree.tree_unflatten(list(leaves), out_spec[0])
+
+
+def _unflatten_leaves(leaves, spec: StreamSpec) -> DepthStream:
+    """The pytree unflatten: like :meth:`DepthStream.unflatten` without its
+    checks, since ``tree_map`` may put any value in a leaf's place."""
+    leaves = list(leaves)
+    S = spec.block_size
+    partial_count = 0 if S is None else spec.num_outputs % S
+    return DepthStream._build(leaves[0], leaves[:len(leaves) - (partial_count > 0)],
+                              leaves[-1] if partial_count else None, partial_count,
+                              spec.num_outputs, S, spec.block_reads, spec.readers, {}, False)
+
+
+torch.utils._pytree.register_pytree_node(
+    DepthStream,
+    lambda stream: stream.flatten(),
+    _unflatten_leaves,
+    serialized_type_name="attnres.DepthStream",
+)

@@ -303,7 +303,7 @@ class CountingOps:
 def run_stack(readers, weights, emb, block_size, block_reads):
     """A stack of sublayers f_l = tanh(h_l @ W_l) read through `readers`,
     then a final read: what a PreNorm model does."""
-    stream = attnres.DepthStream(emb, block_size=block_size, block_reads=block_reads)
+    stream = attnres.DepthStream(emb, block_size=block_size, block_reads=block_reads, readers=readers)
     for res, w in zip(readers[:-1], weights):
         stream.append(torch.tanh(res(stream) @ w))
     return readers[-1](stream)
@@ -335,15 +335,12 @@ def test_stream_two_phase_equals_one_call(dtype, L, S, monkeypatch):
         return out, grads
 
     counts = CountingOps(monkeypatch)
-    first, _ = loss_grads("two_phase")  # learns which reader follows which
-    assert counts.merge == 0  # it knew no successors yet: one-call reads after each phase 1
-    blocks = -(-(L + 1) // S)
-    assert counts.phase1 == blocks
     want, want_grads = loss_grads("one_call")
-    got, got_grads = loss_grads("two_phase")
-    assert counts.phase1 == 2 * blocks  # once per block
+    assert counts.phase1 == 0 and counts.merge == 0
+    got, got_grads = loss_grads("two_phase")  # the declared readers: two-phase from the first pass
+    blocks = -(-(L + 1) // S)
+    assert counts.phase1 == blocks  # once per block
     assert counts.merge == L + 1 - blocks  # every read but the first of each block
-    assert_rel_close(first, want, REL_TOL[dtype], "first pass")
     assert_rel_close(got, want, REL_TOL[dtype], "h")
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         assert_rel_close(a, b, GRAD_REL_TOL[dtype], f"grad {i}")
@@ -358,7 +355,7 @@ def test_auto_uses_two_phase_from_the_third_completed_source(grad, monkeypatch):
     emb = torch.randn(4, D, requires_grad=grad)
     params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
     with torch.set_grad_enabled(grad):
-        want = run_stack(readers, weights, emb, S, "one_call")  # also learns the order
+        want = run_stack(readers, weights, emb, S, "one_call")
         counts = CountingOps(monkeypatch)
         got = run_stack(readers, weights, emb, S, "auto")
     # Blocks with n = 1, 2 completed sources read one-call; blocks 3..5 two-phase.
@@ -379,7 +376,6 @@ def test_auto_keeps_bf16_and_fp16_training_reads_one_call(dtype, monkeypatch):
     D, L, S = 16, 8, 2
     readers, weights = make_stack(L, D, dtype)
     emb = torch.randn(4, D).to(dtype).requires_grad_(True)
-    run_stack(readers, weights, emb, S, "auto")  # learns the order
     counts = CountingOps(monkeypatch)
     run_stack(readers, weights, emb, S, "auto")
     assert counts.phase1 == 0 and counts.merge == 0
@@ -390,29 +386,43 @@ def test_auto_keeps_bf16_and_fp16_training_reads_one_call(dtype, monkeypatch):
     assert counts.phase1 == 3 + 5 and counts.merge == 2 + 4
 
 
-def test_reordered_readers_fall_back_and_relearn(monkeypatch):
+def test_reads_follow_the_declared_readers_or_read_one_call(monkeypatch):
+    """The declared order is checked at every read; without readers a Block
+    stream reads one call (the same result), and "two_phase" needs them."""
     D, L, S = 16, 6, 3
     readers, weights = make_stack(L, D, torch.float64)
     emb = torch.randn(4, D, dtype=torch.float64)
+    order = [readers[1], readers[0], *readers[2:]]  # the first block's readers swapped
     with torch.no_grad():
-        run_stack(readers, weights, emb, S, "two_phase")
-        order = [readers[1], readers[0], *readers[2:]]  # the first block's readers swapped
-        want = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "one_call")
-        got = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "two_phase")
+        want = run_stack(readers, weights, emb, S, "one_call")
+        stream = attnres.DepthStream(emb, block_size=S, block_reads="auto", readers=order)
+        with pytest.raises(ValueError, match=re.escape(
+                "DepthStream: the read after 0 outputs is not the one the stream's readers "
+                "declare there (reader 0 of the declared list)")):
+            readers[0](stream)
         counts = CountingOps(monkeypatch)
-        again = run_stack(order, [weights[1], weights[0], *weights[2:]], emb, S, "two_phase")
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
-    assert torch.allclose(again, want, rtol=1e-12, atol=1e-14)
-    assert counts.merge == L + 1 - 3  # relearned: every non-first read merges again
+        plain = attnres.DepthStream(emb, block_size=S)
+        for res, w in zip(readers[:-1], weights):
+            plain.append(torch.tanh(res(plain) @ w))
+        assert counts.phase1 == 0 and counts.merge == 0
+        assert torch.equal(readers[-1](plain), want)
+        stream = attnres.DepthStream(emb, block_size=S, readers=readers[:2])
+        stream.append(torch.tanh(readers[0](stream) @ weights[0]))
+        stream.append(torch.tanh(readers[1](stream) @ weights[1]))
+        with pytest.raises(ValueError, match=re.escape("declare there (none)")):
+            readers[2](stream)
+    with pytest.raises(ValueError, match=re.escape("block_reads='two_phase' needs the stream's readers")):
+        attnres.DepthStream(emb, block_size=S, block_reads="two_phase")
+    with pytest.raises(TypeError, match="readers must be AttnResResidual modules in read order"):
+        attnres.DepthStream(emb, block_size=S, readers=[torch.nn.Linear(D, D)])
 
 
 def test_return_weights_and_cuda_streams_read_one_call(monkeypatch):
     D = 8
     readers, weights = make_stack(4, D, torch.float32)
     emb = torch.randn(2, D)
-    run_stack(readers, weights, emb, 2, "two_phase")
     counts = CountingOps(monkeypatch)
-    stream = attnres.DepthStream(emb, block_size=2, block_reads="two_phase")
+    stream = attnres.DepthStream(emb, block_size=2, block_reads="two_phase", readers=readers)
     stream.append(torch.tanh(readers[0](stream) @ weights[0]))
     h, w = readers[1](stream, return_weights=True)
     assert w.shape == (2, 2) and counts.merge == 0
@@ -441,7 +451,6 @@ def test_checkpointed_gpt_two_phase_matches_one_call(monkeypatch):
     idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     want_loss, want = gpt_loss_grads(gpt("one_call"), idx)
     model = gpt("two_phase", checkpoint_blocks=True)
-    gpt_loss_grads(model, idx)  # learns the order
     counts = CountingOps(monkeypatch)
     loss, got = gpt_loss_grads(model, idx)
     assert counts.merge > 0
@@ -481,7 +490,6 @@ def test_compiled_block_gpt_two_phase_matches_one_call(monkeypatch):
     idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     want_loss, want = gpt_loss_grads(gpt("one_call"), idx)
     model = gpt("two_phase")
-    gpt_loss_grads(model, idx)  # eager pass: learns the order
     counts = CountingOps(monkeypatch)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     loss, got = gpt_loss_grads(compiled, idx)
@@ -876,8 +884,7 @@ def test_inference_reads_merge_in_place_and_a_second_read_is_one_call(monkeypatc
     emb = torch.randn(4, D, dtype=torch.float64)
     with torch.no_grad():
         want = run_stack(readers, weights, emb, S, "one_call")
-        run_stack(readers, weights, emb, S, "two_phase")
-        stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase")
+        stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase", readers=readers)
         stream.append(torch.tanh(readers[0](stream) @ weights[0]))
         h1 = readers[1](stream)
         again = readers[1](stream)  # the partial output was consumed: one-call
@@ -894,7 +901,6 @@ def test_compiled_inference_of_a_block_gpt(monkeypatch):
     with torch.no_grad():
         want = gpt("one_call").eval()(idx)[0]
         model = gpt("two_phase").eval()
-        model(idx)  # learns the order
         counts = CountingOps(monkeypatch)
         got = torch.compile(model, fullgraph=True, backend="aot_eager")(idx)[0]
     assert counts.merge > 0
