@@ -15,7 +15,6 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <map>
 #include <string>
@@ -26,26 +25,19 @@
 namespace attnres {
 namespace detail {
 
-// What a stream and its copies share about the reads of one forward pass
-// (docs/design.md §10): the phase-1 results by block (keyed by the number of
-// completed sources) and the last read, from which readers learn their
-// successors.
+// The phase-1 results of one forward pass's blocks (docs/design.md §10),
+// keyed by the number of completed sources; shared by a stream and its
+// copies, so a checkpointed segment that starts mid-block uses the phase-1
+// result computed before it.
 struct BlockReadState {
   struct Entry {
     at::Tensor last_completed;  // identifies the block's completed sources
     std::vector<const AttnResResidualImpl*> readers;
-    std::vector<at::Tensor> partials;
+    std::vector<at::Tensor> partials;  // undefined once an in-place merge consumed one
     at::Tensor lse;
+    bool with_grad = false;  // made under grad mode: its results carry a graph
   };
-  uint64_t token;
   std::map<int64_t, Entry> entries;
-  std::weak_ptr<AttnResResidualImpl> last_reader;
-  int64_t last_completed = -1, last_pos = -1;
-
-  BlockReadState() {
-    static std::atomic<uint64_t> next{1};
-    token = next++;
-  }
 };
 
 }  // namespace detail
@@ -72,9 +64,10 @@ std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
 // ---- DepthStream ------------------------------------------------------------
 
 DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size,
-                         BlockReads block_reads)
+                         BlockReads block_reads, std::vector<AttnResResidual> readers)
     : embedding_(std::move(embedding)),
       block_reads_(block_reads),
+      readers_(std::move(readers)),
       reads_(std::make_shared<detail::BlockReadState>()) {
   TORCH_CHECK_TYPE(embedding_.defined(),
                    "embedding must be a tensor [..., D], got an undefined tensor");
@@ -84,7 +77,39 @@ DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size
                    "embedding must be a floating-point tensor, got ",
                    py_dtype(embedding_.scalar_type()));
   block_size_ = checked_block_size(block_size);
+  for (const auto& r : readers_) {
+    TORCH_CHECK_TYPE(!r.is_empty(), "readers must be AttnResResidual modules in read order, "
+                     "got an empty holder");
+  }
+  TORCH_CHECK_VALUE(block_reads_ != BlockReads::kTwoPhase || !readers_.empty() ||
+                        block_size_.value_or(1) == 1,
+                    "block_reads='two_phase' needs the stream's readers declared: "
+                    "DepthStream(..., readers=[the AttnResResidual modules in read order])");
   completed_.push_back(embedding_);
+}
+
+DepthStream DepthStream::from_sources(at::Tensor embedding,
+                                      const std::vector<at::Tensor>& completed,
+                                      const at::Tensor& partial,
+                                      std::optional<int64_t> block_size, int64_t partial_count,
+                                      BlockReads block_reads,
+                                      std::vector<AttnResResidual> readers) {
+  DepthStream stream(std::move(embedding), block_size, block_reads, std::move(readers));
+  const auto S = stream.block_size_;
+  TORCH_CHECK_VALUE(S || (!partial.defined() && partial_count == 0),
+                    "a Full stream (block_size=None) has no partial sum");
+  TORCH_CHECK_VALUE(!S || partial.defined() == (partial_count != 0),
+                    "partial and partial_count go together: a partial sum holds 1 .. S-1 "
+                    "outputs, got partial=", partial.defined() ? "a tensor" : "None",
+                    ", partial_count=", partial_count);
+  TORCH_CHECK_VALUE(!S || (partial_count >= 0 && partial_count < *S),
+                    "partial_count must be in [0, block_size) = [0, ", S.value_or(0), "), got ",
+                    partial_count);
+  for (const auto& c : completed) stream.completed_.push_back(stream.checked_output(c, "from_sources"));
+  if (partial.defined()) stream.partial_ = stream.checked_output(partial, "from_sources");
+  stream.in_partial_ = partial_count;
+  stream.num_outputs_ = static_cast<int64_t>(completed.size()) * S.value_or(1) + partial_count;
+  return stream;
 }
 
 std::vector<at::Tensor> DepthStream::sources() const {
@@ -113,7 +138,8 @@ void DepthStream::append(const at::Tensor& output) {
 }
 
 bool DepthStream::two_phase(int64_t num_completed) const {
-  if (!block_size_ || *block_size_ < 2 || block_reads_ == BlockReads::kOneCall) return false;
+  if (readers_.empty() || !block_size_ || *block_size_ < 2) return false;
+  if (block_reads_ == BlockReads::kOneCall) return false;
   if (!embedding_.device().is_cpu() && !embedding_.device().is_cuda()) return false;
   const auto t = embedding_.scalar_type();
   if (t != at::kDouble && t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return false;
@@ -125,36 +151,38 @@ bool DepthStream::two_phase(int64_t num_completed) const {
   return num_completed >= kAutoMinCompleted;
 }
 
+void DepthStream::check_declared(const AttnResResidualImpl& reader) const {
+  const int64_t k = num_outputs_;
+  const bool listed = k < static_cast<int64_t>(readers_.size());
+  TORCH_CHECK_VALUE(listed && readers_[k].get() == &reader, "DepthStream: the read after ", k,
+                    " outputs is not the one the stream's readers declare there (",
+                    listed ? "reader " + std::to_string(k) + " of the declared list" : "none",
+                    "); declare every read in forward order, or build the stream without "
+                    "readers");
+}
+
 at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
+  if (!readers_.empty()) check_declared(reader);
+  const int64_t num_completed = static_cast<int64_t>(completed_.size());
+  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
   detail::BlockReadState& state = *reads_;
   const int64_t pos = in_partial_;
-  const int64_t num_completed = static_cast<int64_t>(completed_.size());
-  std::shared_ptr<AttnResResidualImpl> self;
-  if (auto weak = reader.weak_from_this(); auto owner = weak.lock()) {
-    self = std::static_pointer_cast<AttnResResidualImpl>(owner);
-  }
-  if (pos > 0 && state.last_completed == num_completed && state.last_pos == pos - 1 && self) {
-    if (auto last = state.last_reader.lock()) last->learn_successor(self, state.token);
-  }
-  state.last_reader = self;
-  state.last_completed = num_completed;
-  state.last_pos = pos;
-  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
+  const bool grad = at::GradMode::is_enabled();
   const std::optional<at::Tensor> gain =
       reader.norm_weight.defined() ? std::optional<at::Tensor>(reader.norm_weight) : std::nullopt;
   if (pos == 0) {
-    std::vector<AttnResResidualImpl*> readers{&reader};
-    for (auto next = reader.successor(state.token);
-         next && static_cast<int64_t>(readers.size()) < *block_size_;
-         next = next->successor(state.token)) {
+    std::vector<const AttnResResidualImpl*> readers{&reader};
+    const int64_t end = std::min<int64_t>(num_outputs_ + *block_size_, readers_.size());
+    for (int64_t k = num_outputs_ + 1; k < end; ++k) {
+      const AttnResResidualImpl* next = readers_[k].get();
       if (!reader.can_share_phase_one(*next) ||
-          std::find(readers.begin(), readers.end(), next.get()) != readers.end()) {
+          std::find(readers.begin(), readers.end(), next) != readers.end()) {
         break;
       }
-      readers.push_back(next.get());
+      readers.push_back(next);
     }
     std::vector<at::Tensor> queries, gains;
-    for (auto* r : readers) {
+    for (const auto* r : readers) {
       queries.push_back(r->query);
       if (gain) gains.push_back(r->norm_weight);
     }
@@ -166,23 +194,21 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
         attnres::block_reads(completed_, at::stack(queries), stacked_gains, reader.options.eps(),
                              1.0, reader.out_weight_or_none(), reader.options.out_eps());
     // Without grad mode nothing is recomputed: keep one block's partials only.
-    if (!at::GradMode::is_enabled()) state.entries.clear();
-    detail::BlockReadState::Entry entry;
-    entry.last_completed = completed_.back();
-    entry.readers.assign(readers.begin(), readers.end());
-    entry.partials = partials;
-    entry.lse = lse;
-    state.entries[num_completed] = std::move(entry);
+    if (!grad) state.entries.clear();
+    state.entries[num_completed] = {completed_.back(), readers, partials, lse, grad};
     return partials[0];
   }
   const auto it = state.entries.find(num_completed);
+  // A phase 1 made without grad has no graph to give a read with grad: one call.
   if (it == state.entries.end() || !it->second.last_completed.is_same(completed_.back()) ||
       pos >= static_cast<int64_t>(it->second.readers.size()) ||
-      it->second.readers[pos] != &reader || !it->second.partials[pos].defined()) {
+      it->second.readers[pos] != &reader || !it->second.partials[pos].defined() ||
+      (grad && !it->second.with_grad)) {
     return reader.read_one_call(*this);
   }
-  // Phase 2 fuses the reader's output norm when it has one (§11).
-  if (at::GradMode::is_enabled()) {
+  // Phase 2 fuses the reader's output norm when it has one (§11). Out of
+  // place when either side has a graph (under no_grad the result has none).
+  if (grad || it->second.with_grad) {
     return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
                             gain, reader.options.eps(), 1.0, reader.out_weight_or_none(),
                             reader.options.out_eps());
@@ -198,12 +224,13 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   return h;
 }
 
-at::Tensor DepthStream::checked_output(const at::Tensor& f) const {
-  TORCH_CHECK_TYPE(f.defined(), "DepthStream.append expects a tensor, got an undefined tensor");
-  TORCH_CHECK_VALUE(f.sizes() == embedding_.sizes(), "DepthStream.append: output has shape ",
+at::Tensor DepthStream::checked_output(const at::Tensor& f, const char* where) const {
+  TORCH_CHECK_TYPE(f.defined(), "DepthStream.", where,
+                   " expects a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(f.sizes() == embedding_.sizes(), "DepthStream.", where, ": output has shape ",
                     f.sizes(), " but the stream's embedding has shape ", embedding_.sizes(),
                     "; every sublayer output must have the embedding's shape");
-  TORCH_CHECK_VALUE(f.device() == device(), "DepthStream.append: output is on device ",
+  TORCH_CHECK_VALUE(f.device() == device(), "DepthStream.", where, ": output is on device ",
                     f.device(), " but the stream is on device ", device());
   if (f.scalar_type() != dtype()) {
     const at::DeviceType device_type = f.device().type();
@@ -211,7 +238,7 @@ at::Tensor DepthStream::checked_output(const at::Tensor& f) const {
         at::autocast::is_autocast_enabled(device_type)) {
       return f.to(dtype());
     }
-    TORCH_CHECK_TYPE(false, "DepthStream.append: output has dtype ", py_dtype(f.scalar_type()),
+    TORCH_CHECK_TYPE(false, "DepthStream.", where, ": output has dtype ", py_dtype(f.scalar_type()),
                      " but the stream's dtype (its embedding's) is ", py_dtype(dtype()),
                      "; outside torch.autocast every output must have the stream dtype");
   }
@@ -295,25 +322,6 @@ bool AttnResResidualImpl::can_share_phase_one(const AttnResResidualImpl& other) 
   if (norm_weight.defined() != other.norm_weight.defined()) return false;
   if (out_weight.defined() != other.out_weight.defined()) return false;
   return !norm_weight.defined() || other.norm_weight.scalar_type() == norm_weight.scalar_type();
-}
-
-void AttnResResidualImpl::learn_successor(const std::shared_ptr<AttnResResidualImpl>& next,
-                                          uint64_t token) {
-  if (next != next_reader_.lock()) {
-    pending_next_reader_ = next;
-    pending_token_ = token;
-  } else {
-    pending_token_ = 0;
-  }
-}
-
-std::shared_ptr<AttnResResidualImpl> AttnResResidualImpl::successor(uint64_t token) {
-  if (pending_token_ != 0 && pending_token_ != token) {
-    next_reader_ = pending_next_reader_;
-    pending_next_reader_.reset();
-    pending_token_ = 0;
-  }
-  return next_reader_.lock();
 }
 
 std::tuple<at::Tensor, at::Tensor> AttnResResidualImpl::forward_with_weights(

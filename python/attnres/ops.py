@@ -341,6 +341,54 @@ def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weig
 # get gradients too.
 
 
+# ---- vmap (torch.vmap / torch.func) -------------------------------------------
+# The ops treat every leading dimension as tokens, so a read vmapped over its
+# sources alone is the same read with the batch as one more token dimension:
+# one call. Anything else batched (a query, a gain, a backward's inputs) runs
+# the op once per batch element and stacks the results.
+
+
+def _slice(arg, dim, b):
+    if dim is None:
+        return arg
+    if isinstance(arg, (list, tuple)):
+        return [_slice(a, d, b) for a, d in zip(arg, dim)]
+    return arg.select(dim, b)
+
+
+def _vmap_by_elements(op):
+    def rule(info, in_dims, *args, **kwargs):
+        results = [op(*(_slice(a, d, b) for a, d in zip(args, in_dims)), **kwargs)
+                   for b in range(info.batch_size)]
+        stacked = torch.utils._pytree.tree_map(
+            lambda *xs: None if xs[0] is None else torch.stack(xs), *results)
+        return stacked, torch.utils._pytree.tree_map(lambda x: None if x is None else 0, stacked)
+    return rule
+
+
+def _depth_attention_fwd_vmap(info, in_dims, sources, query, norm_weight, eps, scale,
+                              out_weight=None, out_eps=None, keep_h=False):
+    args = (sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h)
+    if any(d is not None for d in torch.utils._pytree.tree_leaves(in_dims[1:])):
+        return _vmap_by_elements(torch.ops.attnres.depth_attention_fwd.default)(
+            info, (*in_dims, *[None] * (len(args) - len(in_dims))), *args)
+    B = info.batch_size
+    sources = [s.expand(B, *s.shape) if d is None else s.movedim(d, 0)
+               for s, d in zip(sources, in_dims[0] or [None] * len(sources))]
+    outs = torch.ops.attnres.depth_attention_fwd(sources, *args[1:])
+    # out [B, ...]; rstd and weights [N, B, ...]; h and out_rstd are empty ([0])
+    # unless the output norm produces them.
+    normed = out_weight is not None
+    return outs, (0, 1, 1, 0 if normed and keep_h else None, 0 if normed else None)
+
+
+torch.library.register_vmap("attnres::depth_attention_fwd", _depth_attention_fwd_vmap)
+for _name in ("depth_attention_bwd", "block_reads_fwd", "block_reads_bwd", "block_read_merge_fwd",
+              "block_read_merge_bwd"):
+    torch.library.register_vmap(f"attnres::{_name}",
+                                _vmap_by_elements(getattr(torch.ops.attnres, _name).default))
+
+
 def _as_float(value, name: str) -> float:
     """eps/scale as the op's float, or a TypeError that names the argument
     (None, a string, a tensor: never a bare comparison error later)."""

@@ -566,7 +566,7 @@ struct TinyNetImpl : torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& emb) {
-    attnres::DepthStream stream(emb, block_size, block_reads);
+    attnres::DepthStream stream(emb, block_size, block_reads, reads);
     for (int l = 0; l < kDepth; ++l) stream.append(sublayer(l, reads[l](stream)));
     return reads[kDepth](stream);
   }
@@ -688,7 +688,7 @@ TEST(TwoPhaseBlockReads, OpsEqualTheOneCallRead) {
   }
 }
 
-TEST(TwoPhaseBlockReads, ModulesEqualOneCallReadsAfterLearningTheOrder) {
+TEST(TwoPhaseBlockReads, ModulesWithDeclaredReadersEqualOneCallReads) {
   for (int64_t S : {2, 3, 4}) {
     SCOPED_TRACE("S=" + std::to_string(S));
     at::manual_seed(6);
@@ -701,14 +701,8 @@ TEST(TwoPhaseBlockReads, ModulesEqualOneCallReadsAfterLearningTheOrder) {
     const at::Tensor want = net(emb);
     const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
     net->block_reads = attnres::BlockReads::kTwoPhase;
-    at::manual_seed(7);
-    TinyNet fresh(S);
-    fresh->block_reads = attnres::BlockReads::kTwoPhase;
-    // A fresh net knows no reader order: the final read (position 7 % S > 0
-    // of its block) is a one-call read.
-    EXPECT_THAT(fresh(emb).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
-    // net learned its order in the one-call pass: every read after the
-    // first of a block merges.
+    // The net declares its readers: the final read (position 7 % S > 0 of
+    // its block) merges from the first pass.
     const at::Tensor got = net(emb);
     EXPECT_THAT(got.grad_fn()->name(), HasSubstr("MergeFunction"));
     const Tensors got_grads = torch::autograd::grad({got}, inputs, {grad_out});
@@ -757,7 +751,7 @@ TEST(TwoPhaseBlockReads, AutoMergesTrainingReadsFromTheThirdCompletedSource) {
   Tensors inputs = {emb};
   for (const auto& p : net->parameters()) inputs.push_back(p);
   net->block_reads = attnres::BlockReads::kOneCall;
-  const at::Tensor want = net(emb);  // learns the reader order
+  const at::Tensor want = net(emb);
   const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
   net->block_reads = attnres::BlockReads::kAuto;
   // The final read, position 1 of the block with 4 completed sources, merges.
@@ -786,6 +780,95 @@ TEST(TwoPhaseBlockReads, StreamReportsItsMode) {
   EXPECT_EQ(attnres::DepthStream(emb, 2).block_reads(), attnres::BlockReads::kAuto);
   EXPECT_EQ(attnres::DepthStream(emb, 2, attnres::BlockReads::kOneCall).block_reads(),
             attnres::BlockReads::kOneCall);
+  expect_error<c10::ValueError>(
+      [&] { attnres::DepthStream(emb, 2, attnres::BlockReads::kTwoPhase); },
+      "block_reads='two_phase' needs the stream's readers declared");
+}
+
+// The declared order is checked at every read; without readers a Block
+// stream reads one call (the same result).
+TEST(TwoPhaseBlockReads, ReadsFollowTheDeclaredReadersOrReadOneCall) {
+  at::manual_seed(12);
+  TinyNet net(3);
+  const at::Tensor emb = at::randn({2, 5, kD}, at::kDouble);
+  std::vector<attnres::AttnResResidual> swapped = net->reads;
+  std::swap(swapped[0], swapped[1]);
+  attnres::DepthStream stream(emb, 3, attnres::BlockReads::kAuto, swapped);
+  expect_error<c10::ValueError>(
+      [&] { net->reads[0](stream); },
+      "DepthStream: the read after 0 outputs is not the one the stream's readers declare there "
+      "(reader 0 of the declared list)");
+  attnres::DepthStream plain(emb, 3, attnres::BlockReads::kAuto);
+  for (int l = 0; l < kDepth; ++l) plain.append(net->sublayer(l, net->reads[l](plain)));
+  EXPECT_THAT(net->reads[kDepth](plain).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+}
+
+// Grad mode is honoured per read: a block whose phase 1 ran under no_grad
+// reads one call with grad (the gradients of the one-call read); a read under
+// no_grad after a phase 1 with grad has no graph.
+TEST(TwoPhaseBlockReads, GradModeIsHonouredPerRead) {
+  at::manual_seed(13);
+  TinyNet net(3);
+  net->block_reads = attnres::BlockReads::kTwoPhase;
+  const at::Tensor emb = at::randn({2, 5, kD}, at::kDouble).requires_grad_(true);
+  for (const bool first_with_grad : {false, true}) {
+    SCOPED_TRACE(first_with_grad ? "phase 1 with grad" : "phase 1 under no_grad");
+    attnres::DepthStream stream(emb, 3, attnres::BlockReads::kTwoPhase, net->reads);
+    attnres::DepthStream reference(emb, 3, attnres::BlockReads::kOneCall);
+    at::Tensor h0;
+    {
+      torch::AutoGradMode mode(first_with_grad);
+      h0 = net->reads[0](stream);
+    }
+    EXPECT_EQ(h0.requires_grad(), first_with_grad);
+    const at::Tensor f = at::tanh(emb * 0.5);
+    stream.append(f);
+    reference.append(f);
+    at::Tensor h1;
+    {
+      torch::AutoGradMode mode(!first_with_grad);
+      h1 = net->reads[1](stream);
+    }
+    EXPECT_EQ(h1.requires_grad(), !first_with_grad);
+    if (!first_with_grad) {
+      EXPECT_THAT(h1.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+      const at::Tensor want = net->reads[1](reference);
+      expect_close(h1, want, kOutputTol, "read 1");
+      const Tensors got_g =
+          torch::autograd::grad({h1.sum()}, {emb, net->reads[1]->query}, {}, true);
+      const Tensors want_g = torch::autograd::grad({want.sum()}, {emb, net->reads[1]->query});
+      expect_close(got_g[0], want_g[0], kGradTol, "embedding gradient");
+      expect_close(got_g[1], want_g[1], kGradTol, "query gradient");
+    }
+  }
+}
+
+// A stream rebuilt from its parts (the next pipeline stage) reads as the
+// stream that was never split.
+TEST(TwoPhaseBlockReads, FromSourcesRebuildsAStreamMidBlock) {
+  at::manual_seed(14);
+  TinyNet net(3);
+  const at::Tensor emb = at::randn({4, kD}, at::kDouble);
+  attnres::DepthStream whole(emb, 3);
+  Tensors outs;
+  for (int i = 0; i < 5; ++i) {
+    outs.push_back(at::randn({4, kD}, at::kDouble));
+    whole.append(outs.back());
+  }
+  const auto part = attnres::DepthStream::from_sources(emb, {outs[0] + outs[1] + outs[2]},
+                                                       outs[3] + outs[4], 3, 2);
+  EXPECT_EQ(part.num_outputs(), 5);
+  EXPECT_EQ(part.partial_count(), 2);
+  expect_close(net->reads[5](part), net->reads[5](whole), kOutputTol, "read after the split");
+  expect_error<c10::ValueError>(
+      [&] { attnres::DepthStream::from_sources(emb, {}, outs[0], 3, 0); },
+      "partial and partial_count go together");
+  expect_error<c10::ValueError>(
+      [&] { attnres::DepthStream::from_sources(emb, {}, outs[0], 3, 3); },
+      "partial_count must be in [0, block_size) = [0, 3)");
+  expect_error<c10::ValueError>(
+      [&] { attnres::DepthStream::from_sources(emb, {}, outs[0], std::nullopt, 1); },
+      "a Full stream");
 }
 
 // A CUDA stream reads two-phase when asked (kTwoPhase), training included:
@@ -802,7 +885,7 @@ TEST(TwoPhaseBlockReads, CudaReadsTwoPhaseWhenAsked) {
   Tensors inputs = {emb};
   for (const auto& p : net->parameters()) inputs.push_back(p);
   net->block_reads = attnres::BlockReads::kOneCall;
-  const at::Tensor want = net(emb);  // learns the reader order
+  const at::Tensor want = net(emb);
   const Tensors want_grads = torch::autograd::grad({want}, inputs, {grad_out});
   net->block_reads = attnres::BlockReads::kTwoPhase;
   const at::Tensor got = net(emb);
@@ -992,15 +1075,13 @@ TEST(OutNorm, ModuleReadsAreTheNormOfThePlainReadsInFullAndBlock) {
         for (int i = 0; i < 8; ++i) o.push_back(at::randn({2, 3, D}, at::kDouble));
         return o;
       }();
-      for (int pass = 0; pass < 2; ++pass) {  // the second pass knows the reader order
-        attnres::DepthStream a(outputs[0], S, mode), b(outputs[0], S, mode);
-        for (int i = 0; i < 8; ++i) {
-          const at::Tensor h = plain[i](a);
-          const at::Tensor y = normed[i](b);
-          expect_close(y, at::rms_norm(h, {D}, normed[i]->out_weight, 1e-5), kOutputTol, "y");
-          a.append(outputs[i] * 0.5 + h * 0.1);
-          b.append(outputs[i] * 0.5 + h * 0.1);
-        }
+      attnres::DepthStream a(outputs[0], S, mode, plain), b(outputs[0], S, mode, normed);
+      for (int i = 0; i < 8; ++i) {
+        const at::Tensor h = plain[i](a);
+        const at::Tensor y = normed[i](b);
+        expect_close(y, at::rms_norm(h, {D}, normed[i]->out_weight, 1e-5), kOutputTol, "y");
+        a.append(outputs[i] * 0.5 + h * 0.1);
+        b.append(outputs[i] * 0.5 + h * 0.1);
       }
     }
   }
@@ -1043,7 +1124,7 @@ TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
     for (const auto& p : r->parameters()) inputs.push_back(p);
   }
   auto run = [&](attnres::BlockReads mode, std::vector<std::string>* fns) {
-    attnres::DepthStream stream(emb, S, mode);
+    attnres::DepthStream stream(emb, S, mode, readers);
     at::Tensor loss = at::zeros({}, at::kDouble);
     for (int i = 0; i < 8; ++i) {
       const at::Tensor y = readers[i](stream);
@@ -1053,7 +1134,7 @@ TEST(OutNorm, TwoPhaseReadsFuseTheNormAndEqualOneCallReads) {
     }
     return loss;
   };
-  const at::Tensor want = run(attnres::BlockReads::kOneCall, nullptr);  // learns the order
+  const at::Tensor want = run(attnres::BlockReads::kOneCall, nullptr);
   const Tensors want_grads = torch::autograd::grad({want}, inputs);
   std::vector<std::string> fns;
   const at::Tensor got = run(attnres::BlockReads::kTwoPhase, &fns);

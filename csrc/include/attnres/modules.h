@@ -30,9 +30,10 @@
 
 namespace attnres {
 
-class AttnResResidualImpl;
+class DepthStream;
 
-// How a Block stream's reads run (docs/design.md §10): kAuto uses the
+// How the reads of a Block stream with declared readers run (docs/design.md
+// §10; without readers every read is one call): kAuto uses the
 // two-phase ops for blocks with at least 3 completed sources (where they
 // move fewer bytes than one-call reads) on CPU, training included, except
 // bf16/fp16 streams under grad mode (their merge backward would take
@@ -46,87 +47,6 @@ namespace detail {
 struct BlockReadState;  // shared by a stream and its copies (modules.cpp)
 }
 
-// The sources that later sublayers read, for one forward pass.
-//
-// block_size = std::nullopt is Full AttnRes: the sources are the embedding
-// and every sublayer output so far. block_size = S is Block AttnRes: the
-// embedding, the sum of each completed block of S outputs, and (when it holds
-// at least one output) the current block's partial sum. block_size = 1 gives
-// the same sources as Full.
-//
-// dtype rule: every source has the embedding's dtype (the "stream dtype").
-// Under autocast (at::autocast::is_autocast_enabled for the output's device)
-// append() casts a floating-point output to the stream dtype, the way
-// `x + f` promotes a bf16 f into an fp32 residual stream; outside autocast a
-// dtype mismatch is an error.
-//
-// The stream holds references, never copies: Full keeps each appended tensor
-// itself; Block builds partial sums out of place so autograd sees every step.
-// A DepthStream is a small value: copying it (or clone()) shares the tensors
-// and copies the lists, so appending to the copy leaves the original as it is
-// (what activation checkpointing needs).
-//
-// Bad input throws c10::ValueError / c10::TypeError (Python's ValueError /
-// TypeError) with the words of the Python class.
-class DepthStream {
- public:
-  explicit DepthStream(at::Tensor embedding,
-                       std::optional<int64_t> block_size = std::nullopt,
-                       BlockReads block_reads = BlockReads::kAuto);
-
-  // Records the new output f of one sublayer (never a cumulative sum). f must
-  // have the embedding's shape, device and dtype (under autocast: any
-  // floating dtype, cast to the stream dtype).
-  void append(const at::Tensor& f);
-
-  // What the next read sees, in order: the embedding, the completed sources,
-  // then the partial sum (Block only, and only when it is non-empty). A fresh
-  // vector each call.
-  std::vector<at::Tensor> sources() const;
-  int64_t num_sources() const;
-
-  // The model width D: the size of the last dimension of every source.
-  int64_t width() const { return embedding_.size(-1); }
-  // std::nullopt for Full, S for Block.
-  std::optional<int64_t> block_size() const { return block_size_; }
-  // Sublayer outputs appended so far.
-  int64_t num_outputs() const { return num_outputs_; }
-  BlockReads block_reads() const { return block_reads_; }
-
-  // h for `reader` at this point of the stream (what AttnResResidual's
-  // forward returns): in a Block stream on CPU, phase 1 at the first read of
-  // a block for the readers `reader` has learned follow it, phase 2 at a
-  // later read that phase 1 included, a one-call read otherwise
-  // (docs/design.md §10). The readers learn their order from the streams.
-  at::Tensor read(AttnResResidualImpl& reader) const;
-
-  const at::Tensor& embedding() const { return embedding_; }
-  at::IntArrayRef shape() const { return embedding_.sizes(); }
-  at::ScalarType dtype() const { return embedding_.scalar_type(); }
-  at::Device device() const { return embedding_.device(); }
-
-  // A new stream with the same sources (tensors shared, lists copied); the
-  // same as a copy, named as in Python. Copies share the read state of the
-  // forward pass (the phase-1 results of §10), as activation checkpointing
-  // needs.
-  DepthStream clone() const { return *this; }
-
- private:
-  at::Tensor checked_output(const at::Tensor& f) const;
-  bool two_phase(int64_t num_completed) const;
-
-  at::Tensor embedding_;
-  std::optional<int64_t> block_size_;
-  std::vector<at::Tensor> completed_;  // the embedding, then completed sources
-  at::Tensor partial_;                 // undefined when the block is empty
-  int64_t in_partial_ = 0;             // outputs summed into the partial so far
-  int64_t num_outputs_ = 0;
-  BlockReads block_reads_ = BlockReads::kAuto;
-  std::shared_ptr<detail::BlockReadState> reads_;
-};
-
-// DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
-std::ostream& operator<<(std::ostream& out, const DepthStream& stream);
 
 // The output norm a read can carry (docs/design.md §11): none, or
 // RMSNorm(h) * out_weight fused into the read (the sublayer's pre-norm).
@@ -198,19 +118,109 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   // Whether `other` can join this reader's phase-1 call (one eps, stackable
   // parameters).
   bool can_share_phase_one(const AttnResResidualImpl& other) const;
-  // The next reader's successor link: learned in one forward pass (token),
-  // in effect from the next one (docs/design.md §10). Weak: a reader does
-  // not own the next one.
-  void learn_successor(const std::shared_ptr<AttnResResidualImpl>& next, uint64_t token);
-  std::shared_ptr<AttnResResidualImpl> successor(uint64_t token);
-  std::weak_ptr<AttnResResidualImpl> next_reader_;
-  std::weak_ptr<AttnResResidualImpl> pending_next_reader_;
-  uint64_t pending_token_ = 0;  // 0: nothing pending
 };
 
 // attnres::AttnResResidual(dim) or
 // attnres::AttnResResidual(attnres::AttnResResidualOptions(dim).eps(...)):
 // a shared-pointer holder, like every torch::nn module.
 TORCH_MODULE(AttnResResidual);
+
+// The sources that later sublayers read, for one forward pass.
+//
+// block_size = std::nullopt is Full AttnRes: the sources are the embedding
+// and every sublayer output so far. block_size = S is Block AttnRes: the
+// embedding, the sum of each completed block of S outputs, and (when it holds
+// at least one output) the current block's partial sum. block_size = 1 gives
+// the same sources as Full.
+//
+// `readers` (Block streams) declares the model's reads in forward order:
+// readers[k] reads after k outputs were appended (the last one usually the
+// final read). With it a block's reads can share one pass over its completed
+// sources (two-phase reads, block_reads; docs/design.md §10); without it
+// every read is one call. Either way the result is the same read.
+//
+// dtype rule: every source has the embedding's dtype (the "stream dtype").
+// Under autocast (at::autocast::is_autocast_enabled for the output's device)
+// append() casts a floating-point output to the stream dtype, the way
+// `x + f` promotes a bf16 f into an fp32 residual stream; outside autocast a
+// dtype mismatch is an error.
+//
+// The stream holds references, never copies: Full keeps each appended tensor
+// itself; Block builds partial sums out of place so autograd sees every step.
+// A DepthStream is a small value: copying it (or clone()) shares the tensors
+// and copies the lists, so appending to the copy leaves the original as it is
+// (what activation checkpointing needs). Its tensors are sources(); a stream
+// is rebuilt from them with from_sources (e.g. on the next pipeline stage).
+//
+// Bad input throws c10::ValueError / c10::TypeError (Python's ValueError /
+// TypeError) with the words of the Python class.
+class DepthStream {
+ public:
+  explicit DepthStream(at::Tensor embedding,
+                       std::optional<int64_t> block_size = std::nullopt,
+                       BlockReads block_reads = BlockReads::kAuto,
+                       std::vector<AttnResResidual> readers = {});
+  // A stream from its parts: Full, the outputs so far as `completed`; Block,
+  // the completed block sums as `completed` and the current block's partial
+  // sum (undefined for none) with the number of outputs in it.
+  static DepthStream from_sources(at::Tensor embedding, const std::vector<at::Tensor>& completed,
+                                  const at::Tensor& partial = at::Tensor(),
+                                  std::optional<int64_t> block_size = std::nullopt,
+                                  int64_t partial_count = 0,
+                                  BlockReads block_reads = BlockReads::kAuto,
+                                  std::vector<AttnResResidual> readers = {});
+  // Records the new output f of one sublayer (never a cumulative sum). f must
+  // have the embedding's shape, device and dtype (under autocast: any
+  // floating dtype, cast to the stream dtype).
+  void append(const at::Tensor& f);
+  // What the next read sees, in order: the embedding, the completed sources,
+  // then the partial sum (Block only, and only when it is non-empty). A fresh
+  // vector each call.
+  std::vector<at::Tensor> sources() const;
+  int64_t num_sources() const;
+  // The model width D: the size of the last dimension of every source.
+  int64_t width() const { return embedding_.size(-1); }
+  // std::nullopt for Full, S for Block.
+  std::optional<int64_t> block_size() const { return block_size_; }
+  // Sublayer outputs appended so far.
+  int64_t num_outputs() const { return num_outputs_; }
+  // Outputs summed into the current block's partial sum (0 for Full).
+  int64_t partial_count() const { return in_partial_; }
+  BlockReads block_reads() const { return block_reads_; }
+  const std::vector<AttnResResidual>& readers() const { return readers_; }
+  // h for `reader` at this point of the stream (what AttnResResidual's
+  // forward returns): with declared readers, in a Block stream, phase 1 at
+  // the first read of a block for the block's readers, phase 2 at a later
+  // read of it; a one-call read otherwise (docs/design.md §10). The path
+  // depends only on the configuration, the grad mode and the inputs.
+  at::Tensor read(AttnResResidualImpl& reader) const;
+  const at::Tensor& embedding() const { return embedding_; }
+  at::IntArrayRef shape() const { return embedding_.sizes(); }
+  at::ScalarType dtype() const { return embedding_.scalar_type(); }
+  at::Device device() const { return embedding_.device(); }
+  // A new stream with the same sources (tensors shared, lists copied); the
+  // same as a copy, named as in Python. Copies share the phase-1 results of
+  // the forward pass (§10), as activation checkpointing needs.
+  DepthStream clone() const { return *this; }
+
+ private:
+  at::Tensor checked_output(const at::Tensor& f, const char* where = "append") const;
+  bool two_phase(int64_t num_completed) const;
+  void check_declared(const AttnResResidualImpl& reader) const;
+
+  at::Tensor embedding_;
+  std::optional<int64_t> block_size_;
+  std::vector<at::Tensor> completed_;  // the embedding, then completed sources
+  at::Tensor partial_;                 // undefined when the block is empty
+  int64_t in_partial_ = 0;             // outputs summed into the partial so far
+  int64_t num_outputs_ = 0;
+  BlockReads block_reads_ = BlockReads::kAuto;
+  std::vector<AttnResResidual> readers_;  // empty: none declared
+  std::shared_ptr<detail::BlockReadState> reads_;
+};
+
+// DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
+std::ostream& operator<<(std::ostream& out, const DepthStream& stream);
+
 
 }  // namespace attnres
