@@ -272,7 +272,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   const int64_t tile = phase1_tile<scalar_t>(N, D);
-  at::parallel_for(0, T, tile, [&](int64_t t_begin, int64_t t_end) {
+  at::parallel_for(0, T, parallel_grain((N + S) * D, tile), [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0);
     std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N), rescue_row;
     std::vector<const scalar_t*> rows(N);
@@ -490,7 +490,9 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
-  at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
+  // Each token reads N completed rows and S gradient rows.
+  const int64_t grain = parallel_grain(chunks.size * (N + S) * D);
+  at::parallel_for(0, chunks.count, grain, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dy(has_dy ? S * D : 0), dots(2 * S), dp(S * N), su(S * N);
     std::vector<acc_t> coef_a(N * S), coef_alpha(N * S), coef_beta(N);
     // The vectors each sweep dots the row with: (dy_s, u_s) per reader, or
@@ -602,7 +604,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
   const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
-  at::parallel_for(0, T, 16, [&](int64_t t_begin, int64_t t_end) {
+  at::parallel_for(0, T, parallel_grain(3 * D, 16), [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0), rescue_row;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const scalar_t* y = y_rows.row(t);
@@ -803,7 +805,9 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
-  at::parallel_for(0, chunks.count, 1, [&](int64_t c_begin, int64_t c_end) {
+  // Each token reads dh, y and P.
+  const int64_t grain = parallel_grain(chunks.size * 3 * D);
+  at::parallel_for(0, chunks.count, grain, [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh_buf(norm ? D : 0);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;

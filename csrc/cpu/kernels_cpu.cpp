@@ -422,11 +422,7 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
   const int64_t tile = forward_tile<acc_t>(D);
-  // At least a tile per task, and enough work to amortize the task overhead.
-  const int64_t grain =
-      std::max<int64_t>(tile, 65536 / std::max<int64_t>(1, N * D));
-
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, parallel_grain(N * D, tile), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> acc(tile * D);
     std::vector<acc_t> scores(N * tile);
     std::vector<math::OnlineSoftmax<acc_t>> sm(tile);
@@ -670,7 +666,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
   std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
                                 acc_t(0));
 
-  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+  at::parallel_for(0, n_chunks, parallel_grain(chunk * N * D), [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
     // z accumulates alpha_i v_i straight into the chunk's row (in L1); the
     // row at the tile's start and each row's alpha are kept, to redo the
@@ -863,7 +859,7 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
   std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
                                 acc_t(0));
 
-  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+  at::parallel_for(0, n_chunks, parallel_grain(chunk * N * D), [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
     std::vector<acc_t> dp(N * tile), sc(N * tile), sum_rel(tile), dp_pivot(tile);
     std::vector<math::SourceGrad<acc_t>> coef(N * tile);

@@ -11,12 +11,29 @@
 
 #include "attnres/depth_math.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+namespace attnres {
+namespace {
+
+// Items (tokens, or token chunks) per parallel task, at least `at_least`,
+// so that a task touches at least kParallelGrainElements row elements: a
+// smaller call runs on the calling thread, since waking the thread team
+// costs more than it takes (at::parallel_for's grain convention).
+constexpr int64_t kParallelGrainElements = 65536;
+inline int64_t parallel_grain(int64_t elements_per_item, int64_t at_least = 1) {
+  const int64_t per = elements_per_item > 0 ? elements_per_item : 1;
+  return std::max<int64_t>(at_least, (kParallelGrainElements + per - 1) / per);
+}
+
+}  // namespace
+}  // namespace attnres
 
 namespace attnres {
 namespace cpu {
