@@ -71,7 +71,7 @@ def main() -> None:
         out.append(f"| {name} | {sec * 1e3:.2f} | {sec / med['1 thread']:.2f}x |")
     text = "\n".join(out) + "\n"
     print(text)
-    path = Path(args.out_dir) / f"small_step_threads_{bench.cpu_name().replace(' ', '_')}.md"
+    path = Path(args.out_dir) / f"small_step_threads_{bench.slug(machine)}.md"
     path.write_text(text)
     print(f"wrote {path}")
 
