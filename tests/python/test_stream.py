@@ -147,15 +147,19 @@ def one_call_reads(readers, emb, outs):
     return hs
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-first-readers"])
 @pytest.mark.parametrize("grads", [(True, False, True, False, True, True),
                                    (False, True, True, False, False, True),
                                    (True, True, False, True, True, False)],
                          ids=["first-with-grad", "first-no-grad", "mixed"])
-def test_grad_mode_is_honoured_per_read(grads, monkeypatch):
+def test_grad_mode_is_honoured_per_read(grads, frozen, monkeypatch):
     """A read has a graph if and only if it was made with grad, and its
     gradients are the one-call read's, whatever grad mode the block's other
-    reads (the one that ran phase 1 among them) had."""
+    reads (the one that ran phase 1 among them) had, and with the readers
+    that run phase 1 frozen."""
     readers = make_readers(6)
+    for r in (readers[0], readers[3]) if frozen else ():
+        r.requires_grad_(False)
     gen = torch.Generator().manual_seed(5)
     # 2 completed block sums before the block the reads 3 .. 5 share.
     emb = torch.randn(4, D, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -164,7 +168,7 @@ def test_grad_mode_is_honoured_per_read(grads, monkeypatch):
     got = block_reads_of(readers, emb, outs, grads)
     assert calls.phase1 == 2  # the declared readers: two-phase from the first pass
     want = one_call_reads(readers, emb, outs)
-    params = [emb, *outs, *[p for r in readers for p in r.parameters()]]
+    params = [emb, *outs, *[p for r in readers for p in r.parameters() if p.requires_grad]]
     for j, (h, ref) in enumerate(zip(got, want)):
         assert (h.grad_fn is not None) == grads[j] and h.requires_grad == grads[j], j
         torch.testing.assert_close(h, ref, rtol=1e-12, atol=1e-14)
