@@ -322,3 +322,28 @@ def randomize_reads(model):
             elif name.endswith(".norm_weight"):
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def free_port() -> int:
+    """A free TCP port on localhost, for a gloo process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def distributed_skip_reason(module: str, name: str):
+    """Why a distributed test cannot run here (``module.name`` missing, or no
+    gloo backend), or None."""
+    import importlib
+
+    import torch.distributed as dist
+
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        return f"torch {torch.__version__} has no {module}.{name}: {e}"
+    if not dist.is_gloo_available():
+        return "torch.distributed was built without the gloo backend"
+    return None

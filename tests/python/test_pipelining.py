@@ -3,14 +3,14 @@ inside a block (the second stage starts with a partial block sum), ScheduleGPipe
 on 2 gloo ranks: the loss and every gradient equal the unsplit model's (float64). The
 stream crosses the stage boundary as its tensors and is rebuilt there with
 DepthStream.unflatten (the documented flat form)."""
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attnres
+
+from helpers import distributed_skip_reason, free_port
 
 D, S, SUBLAYERS, SPLIT = 16, 3, 5, 4  # the split leaves one output in the open block
 BATCH, T, MICROBATCHES = 4, 6, 2
@@ -76,12 +76,6 @@ def data():
             torch.randn(BATCH, T, D, generator=gen, dtype=torch.float64))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, port, out_path):
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
@@ -107,20 +101,13 @@ def _worker(rank, port, out_path):
         dist.destroy_process_group()
 
 
-def _pipelining_skip_reason():
-    try:
-        import torch.distributed.pipelining  # noqa: F401
-    except ImportError as e:
-        return f"torch {torch.__version__} has no torch.distributed.pipelining: {e}"
-    if not dist.is_gloo_available():
-        return "torch.distributed was built without the gloo backend"
-    return None
+SKIP = distributed_skip_reason("torch.distributed.pipelining", "ScheduleGPipe")
 
 
-@pytest.mark.skipif(_pipelining_skip_reason() is not None, reason=str(_pipelining_skip_reason()))
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 def test_two_stage_gpipe_split_inside_a_block_matches_the_unsplit_model(tmp_path):
     out_path = tmp_path / "stage"
-    mp.spawn(_worker, args=(_free_port(), str(out_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(out_path)), nprocs=2)
     first, last = torch.load(f"{out_path}.0"), torch.load(f"{out_path}.1")
 
     layers, final = make_layers()

@@ -2,7 +2,6 @@
 torch.compile, activation checkpointing, bf16 autocast, DDP, FSDP2 and
 state_dict round trips. Tiny model so the whole file stays fast on CPU."""
 import io
-import socket
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attnres.models import GPT, GPTConfig
-from helpers import randomize_reads
+from helpers import distributed_skip_reason, free_port, randomize_reads
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 ATTNRES = ["full", "block"]
@@ -145,12 +144,6 @@ def test_bf16_autocast_runs_and_is_close_to_fp32(residual):
 # ---- distributed: DDP and FSDP2 on gloo ----------------------------------------------------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The distributed cases: Full, Block reading one call per read, and Block with
 # two-phase reads (under FSDP2 phase 1 stops at the next layer's readers,
 # whose parameters are sharded between its forwards).
@@ -212,7 +205,7 @@ def _distributed_worker(rank, world, port, mode, out_path):
 
 def _run_two_ranks_and_compare(mode, tmp_path):
     out_path = tmp_path / f"{mode}_grads.pt"
-    mp.spawn(_distributed_worker, args=(2, _free_port(), mode, str(out_path)), nprocs=2)
+    mp.spawn(_distributed_worker, args=(2, free_port(), mode, str(out_path)), nprocs=2)
     results = torch.load(out_path)
     for case, kw in DISTRIBUTED_CASES.items():
         model = tiny_model(**kw)
@@ -240,17 +233,10 @@ def test_ddp_gloo_two_processes_match_one_process(tmp_path):
     _run_two_ranks_and_compare("ddp", tmp_path)
 
 
-def _fsdp2_skip_reason():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as e:
-        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard: {e}"
-    if not dist.is_gloo_available():
-        return "torch.distributed was built without the gloo backend"
-    return None
+FSDP2_SKIP = distributed_skip_reason("torch.distributed.fsdp", "fully_shard")
 
 
-@pytest.mark.skipif(_fsdp2_skip_reason() is not None, reason=str(_fsdp2_skip_reason()))
+@pytest.mark.skipif(FSDP2_SKIP is not None, reason=str(FSDP2_SKIP))
 def test_fsdp2_gloo_two_processes_match_one_process(tmp_path):
     _run_two_ranks_and_compare("fsdp2", tmp_path)
 
