@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/stack.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -193,8 +194,13 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     auto [partials, lse] =
         attnres::block_reads(completed_, at::stack(queries), stacked_gains, reader.options.eps(),
                              1.0, reader.out_weight_or_none(), reader.options.out_eps());
-    // Without grad mode nothing is recomputed: keep one block's partials only.
-    if (!grad) state.entries.clear();
+    // Nothing made without grad mode is recomputed: keep only the entries with
+    // a graph (a checkpointed layer's recomputation may need them).
+    if (!grad) {
+      for (auto it = state.entries.begin(); it != state.entries.end();) {
+        it = it->second.with_grad ? std::next(it) : state.entries.erase(it);
+      }
+    }
     state.entries[num_completed] = {completed_.back(), readers, partials, lse, grad};
     return partials[0];
   }
@@ -207,8 +213,10 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
     return reader.read_one_call(*this);
   }
   // Phase 2 fuses the reader's output norm when it has one (§11). Out of
-  // place when either side has a graph (under no_grad the result has none).
-  if (grad || it->second.with_grad) {
+  // place when either side has a graph (under no_grad the result has none),
+  // or for an inference tensor outside inference mode (it cannot be written).
+  const at::Tensor& y = it->second.partials[pos];
+  if (grad || it->second.with_grad || (y.is_inference() && !c10::InferenceMode::is_enabled())) {
     return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
                             gain, reader.options.eps(), 1.0, reader.out_weight_or_none(),
                             reader.options.out_eps());

@@ -116,8 +116,8 @@ class DepthStream:
                 f"block_reads must be one of {', '.join(map(repr, _BLOCK_READS))}, got {block_reads!r}"
             )
         if readers is not None:
-            readers = tuple(readers)
-            for r in readers:
+            readers = tuple(readers) or None  # an empty list declares nothing, as in C++
+            for r in readers or ():
                 if not isinstance(r, AttnResResidual):
                     raise TypeError(
                         f"readers must be AttnResResidual modules in read order, got {type(r).__name__}"
@@ -130,7 +130,6 @@ class DepthStream:
         self.block_reads = block_reads
         self.readers: Optional[Tuple[AttnResResidual, ...]] = readers
         self._phase_one: Dict[int, _PhaseOne] = {}
-        self._reentrant_checkpoint = False  # built by attnres.checkpoint's reentrant form
         self.embedding = embedding
         self._completed: List[torch.Tensor] = [embedding]
         self._partial: Optional[torch.Tensor] = None
@@ -253,16 +252,15 @@ class DepthStream:
         """
         return DepthStream._build(self.embedding, list(self._completed), self._partial,
                                   self._in_partial, self.num_outputs, self.block_size,
-                                  self.block_reads, self.readers, self._phase_one,
-                                  self._reentrant_checkpoint)
+                                  self.block_reads, self.readers, self._phase_one)
 
     @staticmethod
     def _build(embedding, completed, partial, in_partial, num_outputs, block_size, block_reads,
-               readers, phase_one, reentrant_checkpoint) -> "DepthStream":
+               readers, phase_one) -> "DepthStream":
         """A stream from its fields, unchecked (clone, the pytree unflatten)."""
         stream = DepthStream.__new__(DepthStream)
         stream.block_size, stream.block_reads, stream.readers = block_size, block_reads, readers
-        stream._phase_one, stream._reentrant_checkpoint = phase_one, reentrant_checkpoint
+        stream._phase_one = phase_one
         stream.embedding, stream._completed, stream._partial = embedding, completed, partial
         stream._in_partial, stream.num_outputs = in_partial, num_outputs
         return stream
@@ -322,7 +320,10 @@ class DepthStream:
             partials, lse = block_reads(self._completed, queries, gains, eps=reader.eps,
                                         out_weight=params[0][2], out_eps=reader.out_eps)
             if not grad:
-                self._phase_one.clear()  # nothing to recompute: keep one block's partials only
+                # Nothing made now is recomputed: keep only the entries with a
+                # graph (a checkpointed layer's recomputation may need them).
+                for key in [k for k, e in self._phase_one.items() if not e.with_grad]:
+                    del self._phase_one[key]
             self._phase_one[num_completed] = _PhaseOne(self._completed[-1], tuple(readers),
                                                        list(partials), lse, grad)
             return partials[0]
@@ -334,15 +335,17 @@ class DepthStream:
             return reader._one_call(self.sources)
         # Phase 2 fuses the reader's output norm when it has one (§11).
         query, gain, out_weight = reader._read_params()
-        if grad or entry.with_grad:
-            # Out of place; under no_grad the result has no graph.
+        partial = entry.partials[pos]
+        if grad or entry.with_grad or (partial.is_inference()
+                                       and not torch.is_inference_mode_enabled()):
+            # Out of place (under no_grad the result has no graph; an inference
+            # tensor cannot be written outside inference mode).
             return block_read_merge(
-                entry.partials[pos], entry.lse[pos], self._partial, query, gain,
+                partial, entry.lse[pos], self._partial, query, gain,
                 eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
         # Inference: h (y with an output norm) overwrites the partial output
         # it consumes (no new output allocated); a second read at this
         # position reads one-call.
-        partial = entry.partials[pos]
         entry.partials[pos] = None
         return block_read_merge_inplace(
             partial, entry.lse[pos], self._partial, query, gain,
@@ -478,7 +481,7 @@ class AttnResResidual(nn.Module):
                 f"AttnResResidual has width dim = {self.dim} but the DepthStream has width "
                 f"D = {stream.width}"
             )
-        if not torch.is_grad_enabled() and not stream._reentrant_checkpoint:
+        if not torch.is_grad_enabled():
             _refuse_reentrant_checkpoint(stream)
         if return_weights or stream.block_size is None:
             return self._one_call(stream.sources, return_weights)
@@ -492,22 +495,30 @@ class AttnResResidual(nn.Module):
 
 
 def _refuse_reentrant_checkpoint(stream: DepthStream) -> None:
-    """Raises inside ``torch.utils.checkpoint(..., use_reentrant=True)`` when
-    the stream's sources need gradients: that form passes gradients only to
-    top-level tensor arguments, so a stream's would be lost without a word."""
-    if torch.compiler.is_compiling() or not any(t.requires_grad for t in stream.sources):
+    """Raises inside ``torch.utils.checkpoint(..., use_reentrant=True)`` when a
+    source that needs a gradient is not one of its top-level tensor
+    arguments: that form gives gradients only to those, so the source's
+    would be lost without a word (its forward runs under no_grad)."""
+    if torch.compiler.is_compiling():
+        return
+    needy = [t for t in stream.sources if t.requires_grad]
+    if not needy:
         return
     code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
     frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is code:
-            raise RuntimeError(
-                "a DepthStream read inside torch.utils.checkpoint(..., use_reentrant=True): that "
-                "form gives gradients only to top-level tensor arguments, so the stream's sources "
-                "would get none. Use attnres.checkpoint(fn, stream, ...) (either form) or "
-                "use_reentrant=False"
-            )
+    while frame is not None and frame.f_code is not code:
         frame = frame.f_back
+    if frame is None:
+        return
+    args = frame.f_locals.get("args", ())
+    if all(any(t is a for a in args) for t in needy):
+        return
+    raise RuntimeError(
+        "a DepthStream read inside torch.utils.checkpoint(..., use_reentrant=True): that "
+        "form gives gradients only to top-level tensor arguments, so the stream's sources "
+        "would get none. Use attnres.checkpoint(fn, stream, ...) (either form) or "
+        "use_reentrant=False"
+    )
 
 
 def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kwargs):
@@ -527,7 +538,6 @@ def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kw
 
     def run(*flat):
         inner = DepthStream.unflatten(flat[:n], spec)
-        inner._reentrant_checkpoint = True
         leaves, tree = torch.utils._pytree.tree_flatten(fn(inner, *flat[n:]))
         out_spec[:] = [tree]
         for leaf in leaves:
@@ -549,7 +559,7 @@ def _unflatten_leaves(leaves, spec: StreamSpec) -> DepthStream:
     partial_count = 0 if S is None else spec.num_outputs % S
     return DepthStream._build(leaves[0], leaves[:len(leaves) - (partial_count > 0)],
                               leaves[-1] if partial_count else None, partial_count,
-                              spec.num_outputs, S, spec.block_reads, spec.readers, {}, False)
+                              spec.num_outputs, S, spec.block_reads, spec.readers, {})
 
 
 torch.utils._pytree.register_pytree_node(

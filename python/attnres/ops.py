@@ -382,7 +382,19 @@ def _depth_attention_fwd_vmap(info, in_dims, sources, query, norm_weight, eps, s
     return outs, (0, 1, 1, 0 if normed and keep_h else None, 0 if normed else None)
 
 
+def _merge_inplace_vmap(info, in_dims, partial_out, *rest):
+    # Each batch element's read is written into its own slice of partial_out.
+    if in_dims[0] is None:
+        raise ValueError("block_read_merge_inplace under vmap: partial_out must be batched "
+                         "(each batch element's read is written into it)")
+    for b in range(info.batch_size):
+        torch.ops.attnres.block_read_merge_inplace(
+            partial_out.select(in_dims[0], b), *(_slice(a, d, b) for a, d in zip(rest, in_dims[1:])))
+    return None, None
+
+
 torch.library.register_vmap("attnres::depth_attention_fwd", _depth_attention_fwd_vmap)
+torch.library.register_vmap("attnres::block_read_merge_inplace", _merge_inplace_vmap)
 for _name in ("depth_attention_bwd", "block_reads_fwd", "block_reads_bwd", "block_read_merge_fwd",
               "block_read_merge_bwd"):
     torch.library.register_vmap(f"attnres::{_name}",

@@ -839,8 +839,26 @@ TEST(TwoPhaseBlockReads, GradModeIsHonouredPerRead) {
       const Tensors want_g = torch::autograd::grad({want.sum()}, {emb, net->reads[1]->query});
       expect_close(got_g[0], want_g[0], kGradTol, "embedding gradient");
       expect_close(got_g[1], want_g[1], kGradTol, "query gradient");
+    } else {
+      EXPECT_THAT(h0.grad_fn()->name(), HasSubstr("BlockReadsFunction"));
+      torch::NoGradGuard no_grad;
+      expect_close(h1, net->reads[1](reference), kOutputTol, "read 1 (merged under no_grad)");
     }
   }
+  // Phase 1 under inference mode, a later read under plain no_grad: merged
+  // out of place (an inference tensor cannot be written outside it).
+  attnres::DepthStream stream(emb.detach(), 3, attnres::BlockReads::kTwoPhase, net->reads);
+  attnres::DepthStream reference(emb.detach(), 3, attnres::BlockReads::kOneCall);
+  {
+    c10::InferenceMode inference;
+    net->reads[0](stream);
+  }
+  const at::Tensor f = at::tanh(emb.detach());
+  stream.append(f);
+  reference.append(f);
+  torch::NoGradGuard no_grad;
+  expect_close(net->reads[1](stream), net->reads[1](reference), kOutputTol,
+               "read after an inference-mode phase 1");
 }
 
 // A stream rebuilt from its parts (the next pipeline stage) reads as the

@@ -167,6 +167,9 @@ def test_grad_mode_is_honoured_per_read(grads, frozen, monkeypatch):
     calls = Calls(monkeypatch)
     got = block_reads_of(readers, emb, outs, grads)
     assert calls.phase1 == 2  # the declared readers: two-phase from the first pass
+    # Reads 1, 2 and 4, 5 merge, except a read with grad after a phase 1 without.
+    assert calls.merge == sum(not (grads[j] and not grads[first])
+                              for first in (0, 3) for j in (first + 1, first + 2))
     want = one_call_reads(readers, emb, outs)
     params = [emb, *outs, *[p for r in readers for p in r.parameters() if p.requires_grad]]
     for j, (h, ref) in enumerate(zip(got, want)):
@@ -198,6 +201,59 @@ def test_a_block_begun_in_inference_mode_reads_later_with_grad():
     assert h.requires_grad
     h.pow(2).sum().backward()
     assert readers[4].query.grad.abs().sum() > 0
+
+
+def test_inference_mode_and_no_grad_reads_of_one_block():
+    """Phase 1 under inference_mode, later reads under no_grad (its partials
+    cannot be written outside inference mode: merged out of place), and the
+    other way round."""
+    readers = make_readers(6)
+    gen = torch.Generator().manual_seed(7)
+    emb = torch.randn(4, D, generator=gen, dtype=torch.float64)
+    outs = [torch.randn(4, D, generator=gen, dtype=torch.float64) for _ in range(5)]
+    want = one_call_reads(readers, emb, outs)
+    for first, later in ((torch.inference_mode, torch.no_grad), (torch.no_grad, torch.inference_mode)):
+        stream = attnres.DepthStream(emb, block_size=3, block_reads="two_phase", readers=readers)
+        for j, r in enumerate(readers):
+            with (first if j % 3 == 0 else later)():
+                torch.testing.assert_close(r(stream), want[j], rtol=1e-12, atol=1e-14)
+            if j < len(outs):
+                stream.append(outs[j])
+
+
+def test_an_empty_readers_list_declares_nothing():
+    emb = torch.randn(3, D)
+    assert attnres.DepthStream(emb, block_size=2, readers=[]).readers is None
+    with pytest.raises(ValueError, match="block_reads='two_phase' needs the stream's readers"):
+        attnres.DepthStream(emb, block_size=2, block_reads="two_phase", readers=[])
+
+
+def test_vmap_of_a_model_with_declared_readers(monkeypatch):
+    """Two-phase reads under vmap, with grad and under no_grad (whose merges
+    write in place, per batch element)."""
+    readers = make_readers(7)
+    gen = torch.Generator().manual_seed(8)
+    B = 3
+    emb = torch.randn(B, 4, D, generator=gen, dtype=torch.float64)
+    outs = [torch.randn(B, 4, D, generator=gen, dtype=torch.float64) for _ in range(6)]
+
+    def model(e, *o, declared=True):
+        stream = attnres.DepthStream(e, block_size=3, block_reads="two_phase" if declared else "auto",
+                                     readers=readers if declared else None)
+        hs = []
+        for j, r in enumerate(readers):
+            hs.append(r(stream))
+            if j < len(o):
+                stream.append(o[j])
+        return torch.stack(hs)
+
+    want = torch.stack([model(emb[b], *(o[b] for o in outs), declared=False) for b in range(B)])
+    calls = Calls(monkeypatch)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            got = torch.vmap(model)(emb, *outs)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert calls.merge > 0
 
 
 # ---- checkpointing ----------------------------------------------------------------------------
@@ -245,8 +301,38 @@ def test_attnres_checkpoint_gives_every_parameter_its_gradient(kind, block_size)
     want = grads(lambda l, s: l(s))
     reentrant = kind == "reentrant"
     got = grads(lambda l, s: attnres.checkpoint(l, s, use_reentrant=reentrant))
+    # A layer that rebuilds the stream through the pytree (as hooks do).
+    rebuilt = grads(lambda l, s: attnres.checkpoint(lambda x: l(pytree.tree_map(lambda t: t.to(t.dtype), x)),
+                                                    s, use_reentrant=reentrant))
+    for a, b in zip(rebuilt, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=f"grad {i}")
+
+
+def test_a_no_grad_layer_between_checkpointed_layers():
+    """A frozen layer that starts a block (its phase 1 made under no_grad) must
+    not drop the phase-1 results that checkpointed layers recompute from."""
+    layers = [Layer(s) for s in range(6)]
+    final = attnres.AttnResResidual(D, dtype=torch.float64)
+    emb = torch.randn(4, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def grads(checkpointed):
+        e = emb.clone().requires_grad_()
+        stream = attnres.DepthStream(e, block_size=3, block_reads="two_phase",
+                                     readers=[*(l.res for l in layers), final])
+        for i, layer in enumerate(layers):
+            if i == 3:
+                with torch.no_grad():
+                    stream = layer(stream)
+            elif checkpointed:
+                stream = attnres.checkpoint(layer, stream)
+            else:
+                stream = layer(stream)
+        final(stream).pow(2).sum().backward()
+        return e.grad
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=1e-12, atol=1e-14)
 
 
 def test_plain_reentrant_checkpoint_of_a_stream_layer_raises():
@@ -261,6 +347,17 @@ def test_plain_reentrant_checkpoint_of_a_stream_layer_raises():
     # Without anything that needs a gradient nothing is lost: no error.
     with torch.no_grad():
         run_layers(layers, final, emb.detach(), 2, lambda l, s: checkpoint(l, s, use_reentrant=True))
+    # A function of the stream's tensors (the flat form) gives them their
+    # gradients: no error, the same gradients.
+    spec = attnres.StreamSpec(block_size=2, num_outputs=1, block_reads="auto", readers=None)
+
+    def stage(*tensors):
+        return final(attnres.DepthStream.unflatten(tensors, spec))
+
+    checkpoint(stage, emb, torch.tanh(emb), use_reentrant=True).pow(2).sum().backward()
+    got, emb.grad = emb.grad, None  # (no autograd.grad() with that form)
+    stage(emb, torch.tanh(emb)).pow(2).sum().backward()
+    torch.testing.assert_close(got, emb.grad, rtol=1e-12, atol=1e-14)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
