@@ -74,8 +74,10 @@ OPTIONS = [
 PRESETS: Dict[str, Dict] = {preset: {name: values[i] for name, _, _, values in OPTIONS if values is not None}
                             for i, preset in enumerate(("cpu", "gpu"))}
 
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, keywords, text, presets in OPTIONS:
@@ -84,12 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(name), help=text, **keywords)
     parser.set_defaults(device="cuda" if torch.cuda.is_available() else "cpu")  # looked up when the parser is made
 
+
 def resolve_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every option left unset from the chosen preset (in place)."""
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     return args
+
 
 def check_arguments(args) -> Optional[str]:
     """The first problem with ``args`` as a message, or None."""
@@ -113,6 +117,7 @@ def check_arguments(args) -> Optional[str]:
         return f"--variants lists a variant twice: {args.variants}"
     return None
 
+
 # ---- data ---------------------------------------------------------------------------------------
 def corpus_roots(kind: str) -> List[str]:
     """The stdlib folder, then (for ``kind='all'``) every site-packages folder of this interpreter."""
@@ -122,6 +127,7 @@ def corpus_roots(kind: str) -> List[str]:
             if os.path.isdir(path) and os.path.realpath(path) not in map(os.path.realpath, roots):
                 roots.append(path)
     return roots
+
 
 def source_corpus(roots: List[str], max_bytes: int) -> bytes:
     """The .py files under ``roots`` (in that order, each in sorted path order, site-packages folders
@@ -141,6 +147,7 @@ def source_corpus(roots: List[str], max_bytes: int) -> bytes:
                     return b"".join(chunks)[:max_bytes]
     return b"".join(chunks)
 
+
 def split_corpus(data: bytes, val_fraction: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
     """Bytes as uint8 tensors (1 byte per token even for a 150 MB corpus); the last ``val_fraction`` is the
     validation split."""
@@ -148,14 +155,17 @@ def split_corpus(data: bytes, val_fraction: float = 0.1) -> Tuple[torch.Tensor, 
     n_val = int(len(tokens) * val_fraction)
     return tokens[:-n_val], tokens[-n_val:]
 
+
 def sample_batch(tokens, batch, seq_len, generator, device):
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
     windows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
+
 def fixed_batches(tokens, n, batch, seq_len, seed, device):
     g = torch.Generator().manual_seed(seed)
     return [sample_batch(tokens, batch, seq_len, g, device) for _ in range(n)]
+
 
 # ---- training -----------------------------------------------------------------------------------
 def lr_factor(step: int, total: int) -> float:
@@ -166,8 +176,10 @@ def lr_factor(step: int, total: int) -> float:
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
+
 def _autocast(args):
     return torch.autocast(args.device, dtype=torch.bfloat16, enabled=bool(args.amp))
+
 
 @torch.no_grad()
 def mean_loss(model: GPT, batches, args) -> float:
@@ -176,6 +188,7 @@ def mean_loss(model: GPT, batches, args) -> float:
         losses = [model(x, y)[1].item() for x, y in batches]
     model.train()
     return sum(losses) / len(losses)
+
 
 @torch.no_grad()
 def mean_depth_weights(model: GPT, batches, args) -> List[List[float]]:
@@ -186,6 +199,7 @@ def mean_depth_weights(model: GPT, batches, args) -> List[List[float]]:
                      for x, y in batches]
     model.train()
     return [(sum(read) / len(batches)).tolist() for read in zip(*per_batch)]
+
 
 def depth_profile(model: GPT, batches, args) -> Dict[str, List[float]]:
     """Per sublayer (attn_0, mlp_0, ..., in order), over every token of ``batches``: ``input_rms``, the RMS of
@@ -232,6 +246,7 @@ def depth_profile(model: GPT, batches, args) -> Dict[str, List[float]]:
             "output_rms": [math.sqrt(s / e) for s, e in zip(sq_out, elements)],
             "grad_norm": [g / t for g, t in zip(grad_sum, tokens)],
             "final_input_rms": math.sqrt(sq_in[n] / elements[n])}
+
 
 def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_eval_batches) -> Dict:
     """Train one variant from seed ``seed``; returns its losses, curves, speed, depth profile (at init and
@@ -298,16 +313,19 @@ def train_run(residual: str, seed: int, args, train_tokens, val_batches, train_e
           f"({time.perf_counter() - started:.0f} s, {result['tokens_per_s']:.0f} tok/s)", file=sys.stderr, flush=True)
     return result
 
+
 # ---- aggregation --------------------------------------------------------------------------------
 def mean_sd(values: List[float]) -> Tuple[float, Optional[float]]:
     """Mean and sample standard deviation (None for a single value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
 
 def _mean_over_runs(values: List):
     """The mean of numbers, or the element-wise mean of equally long lists."""
     if isinstance(values[0], list):
         return [statistics.fmean(column) for column in zip(*values)]
     return statistics.fmean(values)
+
 
 def aggregate(runs: List[Dict], variants: List[str]) -> List[Dict]:
     """Per variant, over the seeds it completed: mean and sd of the losses,
@@ -336,10 +354,12 @@ def aggregate(runs: List[Dict], variants: List[str]) -> List[Dict]:
         rows.append(row)
     return rows
 
+
 def _pm(value: Tuple[float, Optional[float]], digits: int = 4, sign: bool = False) -> str:
     mean, sd = value
     text = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
     return text if sd is None else f"{text} ± {sd:.{digits}f}"
+
 
 def format_table(rows: List[Dict]) -> str:
     header = (f"{'variant':<9} {'seeds':>5} {'parameters':>10} {'tokens/s':>8}  {'train loss':<16} "
@@ -352,12 +372,14 @@ def format_table(rows: List[Dict]) -> str:
                      f"{r.get('lower_than_standard', ''):>5}")
     return "\n".join(lines)
 
+
 # ---- plots --------------------------------------------------------------------------------------
 def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
 
 def plot_loss_curves(runs: List[Dict], rows: List[Dict], path: Path) -> None:
     import matplotlib.pyplot as plt
@@ -381,6 +403,7 @@ def plot_loss_curves(runs: List[Dict], rows: List[Dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
+
 
 def plot_depth_weights(row: Dict, path: Path) -> None:
     import matplotlib.pyplot as plt
@@ -408,6 +431,7 @@ def plot_depth_weights(row: Dict, path: Path) -> None:
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="weight")
     _save(fig, path)
 
+
 def plot_depth_profile(rows: List[Dict], sublayer_names: List[str], path: Path) -> None:
     import matplotlib.pyplot as plt
     panels = {"input_rms": "RMS of the sublayer input (before its norm)", "output_rms": "RMS of the sublayer output",
@@ -433,6 +457,7 @@ def plot_depth_profile(rows: List[Dict], sublayer_names: List[str], path: Path) 
                  "solid trained, dotted at init", fontsize=10)
     _save(fig, path)
 
+
 # ---- main ---------------------------------------------------------------------------------------
 def _load_average() -> Optional[float]:
     try:
@@ -440,12 +465,14 @@ def _load_average() -> Optional[float]:
     except (AttributeError, OSError):  # not on every platform
         return None
 
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
             return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):  # not Linux, or no model name listed
         return platform.processor() or platform.machine()
+
 
 def run(args) -> int:
     resolve_preset(args)
