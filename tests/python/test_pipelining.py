@@ -1,8 +1,9 @@
-"""A Block AttnRes model split into two torch.distributed.pipelining stages
-inside a block (the second stage starts with a partial block sum), ScheduleGPipe
-on 2 gloo ranks: the loss and every gradient equal the unsplit model's (float64). The
-stream crosses the stage boundary as its tensors and is rebuilt there with
-DepthStream.unflatten (the documented flat form)."""
+"""An AttnRes model split into torch.distributed.pipelining stages on 2 gloo
+ranks, with boundaries inside blocks (a stage starting with a partial block
+sum): ScheduleGPipe and Schedule1F1B over 2 stages, ScheduleInterleaved1F1B
+over 4 (2 per rank); Full and Block. The loss and every gradient equal the
+unsplit model's (float64). The stream crosses a stage boundary as its tensors
+and is rebuilt there with DepthStream.unflatten (the documented flat form)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,8 +13,12 @@ import attnres
 
 from helpers import distributed_skip_reason, free_port
 
-D, S, SUBLAYERS, SPLIT = 16, 3, 5, 4  # the split leaves one output in the open block
-BATCH, T, MICROBATCHES = 4, 6, 2
+D, SUBLAYERS = 16, 7
+BATCH, T, MICROBATCHES = 4, 6, 4
+# Stage boundaries (outputs before each stage's first read). With S = 3, 4
+# and 5 fall inside blocks; so does 2.
+CUTS = {2: [0, 4, SUBLAYERS], 4: [0, 2, 4, 5, SUBLAYERS]}
+SCHEDULES = {"ScheduleGPipe": 2, "Schedule1F1B": 2, "ScheduleInterleaved1F1B": 4}
 
 
 class Sublayer(torch.nn.Module):
@@ -39,31 +44,26 @@ def make_layers(seed=0):
     return layers, final
 
 
-class FirstStage(torch.nn.Module):
-    def __init__(self, layers):
+class Stage(torch.nn.Module):
+    """Sublayers [begin, end): the first stage builds the stream from the
+    embedding, the others rebuild it from the previous stage's tensors; the
+    last one returns the final read, the others the stream's tensors."""
+
+    def __init__(self, layers, final, begin, end, block_size):
         super().__init__()
-        self.layers = layers
-
-    def forward(self, x):
-        stream = attnres.DepthStream(x, block_size=S)
-        for layer in self.layers:
-            stream = layer(stream)
-        return tuple(stream.tensors())
-
-
-class LastStage(torch.nn.Module):
-    # What the first stage's stream was: S, SPLIT outputs, no declared readers.
-    SPEC = attnres.StreamSpec(block_size=S, num_outputs=SPLIT, block_reads="auto", readers=None)
-
-    def __init__(self, layers, final):
-        super().__init__()
-        self.layers, self.final = layers, final
+        self.layers = torch.nn.ModuleList(layers[begin:end])
+        self.final = final if end == SUBLAYERS else None
+        self.spec = attnres.StreamSpec(block_size=block_size, num_outputs=begin, block_reads="auto",
+                                       readers=None)
 
     def forward(self, *tensors):
-        stream = attnres.DepthStream.unflatten(tensors, self.SPEC)
+        if self.spec.num_outputs == 0:
+            stream = attnres.DepthStream(tensors[0], block_size=self.spec.block_size)
+        else:
+            stream = attnres.DepthStream.unflatten(tensors, self.spec)
         for layer in self.layers:
             stream = layer(stream)
-        return self.final(stream)
+        return self.final(stream) if self.final is not None else tuple(stream.tensors())
 
 
 def loss_fn(out, target):
@@ -76,55 +76,73 @@ def data():
             torch.randn(BATCH, T, D, generator=gen, dtype=torch.float64))
 
 
-def _worker(rank, port, out_path):
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+def global_grads(stage, begin):
+    """The stage's gradients under the unsplit model's parameter names."""
+    grads = {}
+    for name, p in stage.named_parameters():
+        if name.startswith("layers."):
+            index, rest = name[len("layers."):].split(".", 1)
+            name = f"layers.{begin + int(index)}.{rest}"
+        grads[name] = p.grad.clone()
+    return grads
+
+
+def _worker(rank, port, schedule_name, block_size, out_path):
+    import torch.distributed.pipelining as pipelining
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         layers, final = make_layers()
-        module = (FirstStage(layers[:SPLIT]) if rank == 0
-                  else LastStage(layers[SPLIT:], final))
-        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        cuts = CUTS[SCHEDULES[schedule_name]]
+        n_stages = len(cuts) - 1
+        mine = range(rank, n_stages, 2)  # stage i on rank i % 2 (the interleaved layout)
+        modules = {i: Stage(layers, final, cuts[i], cuts[i + 1], block_size) for i in mine}
+        stages = [pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"))
+                  for i in mine]
+        schedule_class = getattr(pipelining, schedule_name)
         # Summed microbatch losses, unscaled gradients: the unsplit model's sum.
-        schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=loss_fn, scale_grads=False)
+        schedule = schedule_class(stages if n_stages > 2 else stages[0], MICROBATCHES,
+                                  loss_fn=loss_fn, scale_grads=False)
         x, target = data()
         losses = []
         if rank == 0:
             schedule.step(x)
         else:
             schedule.step(target=target, losses=losses)
-        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        grads = {}
+        for i in mine:
+            grads.update(global_grads(modules[i], cuts[i]))
         torch.save({"grads": grads, "loss": sum(l.item() for l in losses)}, f"{out_path}.{rank}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-SKIP = distributed_skip_reason("torch.distributed.pipelining", "ScheduleGPipe")
+SKIP = distributed_skip_reason("torch.distributed.pipelining", "ScheduleInterleaved1F1B")
 
 
 @pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
-def test_two_stage_gpipe_split_inside_a_block_matches_the_unsplit_model(tmp_path):
+@pytest.mark.parametrize("block_size", [None, 3], ids=["full", "block"])
+@pytest.mark.parametrize("schedule_name", list(SCHEDULES))
+def test_pipeline_stages_split_inside_blocks_match_the_unsplit_model(schedule_name, block_size,
+                                                                      tmp_path):
     out_path = tmp_path / "stage"
-    mp.spawn(_worker, args=(free_port(), str(out_path)), nprocs=2)
-    first, last = torch.load(f"{out_path}.0"), torch.load(f"{out_path}.1")
+    mp.spawn(_worker, args=(free_port(), schedule_name, block_size, str(out_path)), nprocs=2)
+    ranks = [torch.load(f"{out_path}.{r}") for r in range(2)]
 
     layers, final = make_layers()
     x, target = data()
-    stream = attnres.DepthStream(x, block_size=S)
+    stream = attnres.DepthStream(x, block_size=block_size)
     for layer in layers:
         stream = layer(stream)
     loss = loss_fn(final(stream), target)
     loss.backward()
-    assert last["loss"] == pytest.approx(loss.item(), rel=1e-12)
-    want = {f"layers.{i}.{n}": p.grad for i, l in enumerate(layers[:SPLIT])
-            for n, p in l.named_parameters()}
-    want_last = {f"layers.{i}.{n}": p.grad for i, l in enumerate(layers[SPLIT:])
-                 for n, p in l.named_parameters()}
-    want_last.update({f"final.{n}": p.grad for n, p in final.named_parameters()})
-    for got, expected in ((first["grads"], want), (last["grads"], want_last)):
-        assert got.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-12,
-                                       msg=lambda m: f"{name}\n{m}")
+    assert ranks[1]["loss"] == pytest.approx(loss.item(), rel=1e-12)
+    want = {f"layers.{n}": p.grad for n, p in layers.named_parameters()}
+    want.update({f"final.{n}": p.grad for n, p in final.named_parameters()})
+    got = {**ranks[0]["grads"], **ranks[1]["grads"]}
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"{name}\n{m}")
