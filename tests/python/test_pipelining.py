@@ -2,8 +2,9 @@
 ranks, with boundaries inside blocks (a stage starting with a partial block
 sum): ScheduleGPipe and Schedule1F1B over 2 stages, ScheduleInterleaved1F1B
 over 4 (2 per rank); Full and Block. The loss and every gradient equal the
-unsplit model's (float64). The stream crosses a stage boundary as its tensors
-and is rebuilt there with DepthStream.unflatten (the documented flat form)."""
+unsplit model's (float64). The stages are attnres.pipelining.StreamStage: the
+stream crosses a boundary as its tensors and is rebuilt with
+DepthStream.unflatten. Also the StreamStage's own checks."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,28 +45,6 @@ def make_layers(seed=0):
     return layers, final
 
 
-class Stage(torch.nn.Module):
-    """Sublayers [begin, end): the first stage builds the stream from the
-    embedding, the others rebuild it from the previous stage's tensors; the
-    last one returns the final read, the others the stream's tensors."""
-
-    def __init__(self, layers, final, begin, end, block_size):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers[begin:end])
-        self.final = final if end == SUBLAYERS else None
-        self.spec = attnres.StreamSpec(block_size=block_size, num_outputs=begin, block_reads="auto",
-                                       readers=None)
-
-    def forward(self, *tensors):
-        if self.spec.num_outputs == 0:
-            stream = attnres.DepthStream(tensors[0], block_size=self.spec.block_size)
-        else:
-            stream = attnres.DepthStream.unflatten(tensors, self.spec)
-        for layer in self.layers:
-            stream = layer(stream)
-        return self.final(stream) if self.final is not None else tuple(stream.tensors())
-
-
 def loss_fn(out, target):
     return (out - target).pow(2).sum()
 
@@ -83,7 +62,7 @@ def global_grads(stage, begin):
         if name.startswith("layers."):
             index, rest = name[len("layers."):].split(".", 1)
             name = f"layers.{begin + int(index)}.{rest}"
-        grads[name] = p.grad.clone()
+        grads[name.replace("head.", "final.")] = p.grad.clone()
     return grads
 
 
@@ -97,7 +76,9 @@ def _worker(rank, port, schedule_name, block_size, out_path):
         cuts = CUTS[SCHEDULES[schedule_name]]
         n_stages = len(cuts) - 1
         mine = range(rank, n_stages, 2)  # stage i on rank i % 2 (the interleaved layout)
-        modules = {i: Stage(layers, final, cuts[i], cuts[i + 1], block_size) for i in mine}
+        modules = {i: attnres.pipelining.StreamStage(
+            layers[cuts[i]:cuts[i + 1]], outputs_before=cuts[i], block_size=block_size,
+            head=final if cuts[i + 1] == SUBLAYERS else None) for i in mine}
         stages = [pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"))
                   for i in mine]
         schedule_class = getattr(pipelining, schedule_name)
@@ -146,3 +127,24 @@ def test_pipeline_stages_split_inside_blocks_match_the_unsplit_model(schedule_na
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"{name}\n{m}")
+
+
+def test_stream_stage_alone():
+    """The stages in one process, chained by hand, are the unsplit model."""
+    layers, final = make_layers()
+    x, _ = data()
+    cuts = CUTS[4]
+    stages = [attnres.pipelining.StreamStage(layers[a:b], outputs_before=a, block_size=3,
+                                             head=final if b == SUBLAYERS else None)
+              for a, b in zip(cuts, cuts[1:])]
+    out = (x,)
+    for stage in stages:
+        out = stage(*out) if isinstance(out, tuple) else out
+    stream = attnres.DepthStream(x, block_size=3)
+    for layer in layers:
+        stream = layer(stream)
+    torch.testing.assert_close(out, final(stream), rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="outputs_before must be an int >= 0"):
+        attnres.pipelining.StreamStage(layers, outputs_before=-1)
+    with pytest.raises(TypeError, match="must return the DepthStream"):
+        attnres.pipelining.StreamStage([torch.nn.Identity(), final], outputs_before=0)(x)
