@@ -148,3 +148,24 @@ def test_stream_stage_alone():
         attnres.pipelining.StreamStage(layers, outputs_before=-1)
     with pytest.raises(TypeError, match="must return the DepthStream"):
         attnres.pipelining.StreamStage([torch.nn.Identity(), final], outputs_before=0)(x)
+
+
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+def test_the_pipeline_example_reproduces_the_unsplit_loss():
+    """examples/pipeline/train_pp.py under torchrun (2 CPU ranks): the first
+    pipelined step's loss is the unsplit model's on the same batch."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "pipeline" / "train_pp.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(example), "--steps", "2"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    unsplit = re.search(r"unsplit model, first batch: loss (\S+)", run.stdout)
+    first = re.search(r"step +1: pipelined loss (\S+)", run.stdout)
+    assert unsplit and first, run.stdout
+    assert float(first.group(1)) == pytest.approx(float(unsplit.group(1)), rel=1e-5)
