@@ -10,10 +10,10 @@ from . import reference
 from .ops import (block_read_merge, block_reads, cpu_gradient_cache_stats, depth_attention,
                   empty_cpu_gradient_cache, set_cpu_gradient_cache_limit)
 from .modules import AttnResResidual, DepthStream, StreamSpec, checkpoint
-from . import models, pipelining
+from . import hf, models, pipelining
 from .optim import param_groups
 
 __all__ = ["depth_attention", "block_reads", "block_read_merge", "reference", "DepthStream", "AttnResResidual",
            "StreamSpec", "checkpoint",
-           "models", "pipelining", "param_groups", "cpu_gradient_cache_stats", "set_cpu_gradient_cache_limit",
+           "hf", "models", "pipelining", "param_groups", "cpu_gradient_cache_stats", "set_cpu_gradient_cache_limit",
            "empty_cpu_gradient_cache"]

@@ -1,0 +1,152 @@
+"""Convert a Hugging Face decoder to Attention Residuals in place, exactly.
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(...)
+    attnres.hf.convert(model, block_size=None)        # or S: Block AttnRes
+
+Every sublayer (attention, MLP) of every decoder layer gets its own
+:class:`attnres.AttnResResidual` read (zero query, unit gain), and the network's
+output one more, read before the final norm. A PreNorm layer computes
+``x + f(norm(x))``; converted, its sublayer reads the mean of the sources,
+``x / N`` at zero queries (the sources sum to the residual stream x), so each
+pre-norm's epsilon becomes ``eps / N**2`` and ``norm(x / N)`` equals ``norm(x)``
+exactly: the converted model computes the original function, and continued
+training starts from the pretrained model.
+
+A family is one entry of ``FAMILIES`` (its decoder layer's attribute names),
+never a copy of its forward. Families whose sublayers do not read a pre-norm
+of the residual stream are refused (``REFUSED``), never approximated.
+Requires ``transformers`` (``pip install "attnres[hf]"``).
+"""
+from __future__ import annotations
+
+import types
+from typing import Dict, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from .modules import AttnResResidual, DepthStream
+
+
+class Family(NamedTuple):
+    """Where a PreNorm decoder layer keeps its parts, and how it is called."""
+
+    pre_attn_norm: str
+    attn: str
+    pre_mlp_norm: str
+    mlp: str
+    eps: str  # the norms' epsilon attribute
+    layers: str  # the decoder layers, on the base model
+    final_norm: str  # the final norm, on the base model
+
+
+_LLAMA = Family("input_layernorm", "self_attn", "post_attention_layernorm", "mlp",
+                "variance_epsilon", "layers", "norm")
+
+# Decoder layer class name -> its family entry.
+FAMILIES: Dict[str, Family] = {
+    "LlamaDecoderLayer": _LLAMA,
+    "MistralDecoderLayer": _LLAMA,
+    "Qwen2DecoderLayer": _LLAMA,
+    "Qwen3DecoderLayer": _LLAMA,
+}
+
+# Layer class name -> why its model cannot be converted exactly.
+REFUSED: Dict[str, str] = {
+    "GPTJBlock": "attention and MLP run in parallel on one norm of the residual stream",
+    "FalconDecoderLayer": "attention and MLP run in parallel on the residual stream",
+    "PhiDecoderLayer": "attention and MLP run in parallel on one norm of the residual stream",
+    "Olmo2DecoderLayer": "its norms are applied to the sublayer outputs, not to the residual stream",
+}
+
+
+def _sources_read_by(j: int, block_size: Optional[int]) -> int:
+    """How many sources read j (after j outputs) sees."""
+    if block_size is None:
+        return j + 1
+    return 1 + j // block_size + (1 if j % block_size else 0)
+
+
+def _set_eps(norm: nn.Module, attr: str, n: int) -> None:
+    setattr(norm, attr, getattr(norm, attr) / n ** 2)
+
+
+def _converted_forward(self, hidden_states, *args, **kwargs):
+    """A converted decoder layer: takes the stream (the first layer: the
+    embeddings) and returns a new one with its two outputs appended."""
+    fam: Family = self.attnres_family
+    stream = hidden_states
+    if not isinstance(stream, DepthStream):
+        stream = DepthStream(hidden_states, self.attnres_block_size, readers=self.attnres_readers)
+    stream = stream.clone()
+    if args:
+        raise TypeError("a converted decoder layer takes its arguments after hidden_states by keyword")
+    h = getattr(self, fam.pre_attn_norm)(self.attnres_attn(stream))
+    out = getattr(self, fam.attn)(hidden_states=h, **kwargs)
+    stream.append(out[0] if isinstance(out, tuple) else out)
+    h = getattr(self, fam.pre_mlp_norm)(self.attnres_mlp(stream))
+    stream.append(getattr(self, fam.mlp)(h))
+    return stream
+
+
+def _residual_hidden_states(module, args, kwargs, output):
+    """output_hidden_states: each layer's stream as the tensor the original
+    model's API promises, the sum of its sources (the residual stream)."""
+    states = getattr(output, "hidden_states", None)
+    if states:
+        output.hidden_states = tuple(
+            torch.stack(s.sources).sum(0) if isinstance(s, DepthStream) else s for s in states)
+    return output
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return getattr(model, getattr(model, "base_model_prefix", ""), model)
+
+
+def convert(model: nn.Module, *, block_size: Optional[int] = None,
+            dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Converts ``model`` (a transformers decoder, or its base model) in place
+    and returns it. ``block_size``: None for Full AttnRes, S sublayers per
+    block for Block AttnRes (a layer has 2 sublayers). ``dtype``: the reads'
+    parameters (default: the model's)."""
+    base = _base_model(model)
+    if getattr(base, "attnres_final", None) is not None:
+        raise ValueError("attnres.hf.convert: the model is already converted")
+    candidates = [m for m in base.modules() if type(m).__name__ in REFUSED]
+    if candidates:
+        kind = type(candidates[0]).__name__
+        raise ValueError(f"attnres.hf.convert cannot convert {kind} exactly: {REFUSED[kind]}; "
+                         "AttnRes replaces the residual input of PreNorm sublayers")
+    found = [m for m in base.modules() if type(m).__name__ in FAMILIES]
+    if not found:
+        raise ValueError(
+            f"attnres.hf.convert: no decoder layer of a known PreNorm family in "
+            f"{type(model).__name__} (known: {', '.join(sorted(FAMILIES))}); a family is one "
+            "entry of attnres.hf.FAMILIES"
+        )
+    fam = FAMILIES[type(found[0]).__name__]
+    layers = getattr(base, fam.layers)
+    final_norm = getattr(base, fam.final_norm)
+    width = getattr(layers[0], fam.pre_attn_norm).weight.shape[-1]
+    param = next(model.parameters())
+    factory = dict(dtype=dtype or param.dtype, device=param.device)
+    readers = []
+    for layer in layers:
+        layer.attnres_attn = AttnResResidual(width, **factory)
+        layer.attnres_mlp = AttnResResidual(width, **factory)
+        readers += [layer.attnres_attn, layer.attnres_mlp]
+    base.attnres_final = AttnResResidual(width, **factory)
+    readers.append(base.attnres_final)
+    for j, layer in enumerate(layers):
+        _set_eps(getattr(layer, fam.pre_attn_norm), fam.eps, _sources_read_by(2 * j, block_size))
+        _set_eps(getattr(layer, fam.pre_mlp_norm), fam.eps, _sources_read_by(2 * j + 1, block_size))
+        # Plain attributes: the family and the reads' order are not submodules.
+        object.__setattr__(layer, "attnres_family", fam)
+        object.__setattr__(layer, "attnres_block_size", block_size)
+        object.__setattr__(layer, "attnres_readers", tuple(readers) if block_size else None)
+        layer.forward = types.MethodType(_converted_forward, layer)
+    _set_eps(final_norm, fam.eps, _sources_read_by(2 * len(layers), block_size))
+    final_norm.register_forward_pre_hook(lambda _m, args: (base.attnres_final(args[0]),))
+    base.register_forward_hook(_residual_hidden_states, with_kwargs=True)
+    base.config.attnres = {"block_size": block_size}
+    return model

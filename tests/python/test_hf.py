@@ -1,0 +1,124 @@
+"""attnres.hf.convert on tiny random transformers decoders: the converted model
+computes the original function (logits with padding, the loss with labels,
+KV-cached greedy generation, hidden states), trains on the fused reads, and
+families it cannot convert exactly are refused."""
+import pytest
+import torch
+
+import attnres
+import attnres.modules as modules_mod
+
+transformers = pytest.importorskip(
+    "transformers", reason="attnres.hf needs transformers (pip install 'attnres[hf]'; make test installs it)")
+from attnres import hf  # noqa: E402
+
+VOCAB = 97  # odd
+FAMILIES = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+
+def tiny(family, dtype, layers=3, seed=0):
+    torch.manual_seed(seed)
+    cfg = FAMILIES[family](vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():  # gains away from 1, so the converted norms' weights matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def batch(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return idx, mask
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# transformers' RMSNorm computes in float32 whatever the model dtype, so the
+# original and the converted model each round there: float64 models agree to
+# float32 rounding, not to float64's.
+TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+
+@pytest.mark.parametrize("block_size", [None, 2, 3], ids=["full", "S2", "S3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_model_computes_the_original_function(family, block_size):
+    dtype = torch.float32
+    model = tiny(family, dtype)
+    idx, mask = batch()
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
+        want_tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert hf.convert(model, block_size=block_size) is model
+    with torch.no_grad():
+        got = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
+        tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert rel(got.logits, want.logits) < TOL[dtype]
+    assert got.loss.item() == pytest.approx(want.loss.item(), rel=TOL[dtype])
+    assert torch.equal(tokens, want_tokens)  # KV-cached greedy decoding, token for token
+    assert len(got.hidden_states) == len(want.hidden_states)
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert isinstance(a, torch.Tensor)  # the residual stream, as the API promises
+        assert rel(a, b) < TOL[dtype]
+    # The comparison has power: a non-zero query changes the function.
+    with torch.no_grad():
+        model.model.layers[1].attnres_mlp.query.normal_()
+        assert rel(model(idx, attention_mask=mask).logits, want.logits) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_float64_models_agree_to_float32_rounding(family):
+    model = tiny(family, torch.float64)
+    idx, mask = batch()
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask).logits
+        hf.convert(model, block_size=2)
+        assert model.model.attnres_final.query.dtype == torch.float64
+        assert rel(model(idx, attention_mask=mask).logits, want) < TOL[torch.float64]
+
+
+def test_converted_llama_trains_on_the_fused_reads(monkeypatch):
+    calls = []
+    for name in ("depth_attention", "block_reads", "block_read_merge"):
+        real = getattr(modules_mod, name)
+        monkeypatch.setattr(modules_mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    model = hf.convert(tiny("llama", torch.float32, layers=4).train(), block_size=2)
+    opt = torch.optim.AdamW(attnres.param_groups(model, lr=3e-3, weight_decay=0.0))
+    idx, mask = batch()
+    losses = []
+    for _ in range(8):
+        opt.zero_grad(set_to_none=True)
+        loss = model(idx, attention_mask=mask, labels=idx).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert "depth_attention" in calls
+    assert model.model.layers[2].attnres_attn.query.grad.abs().sum() > 0
+
+
+def test_refusals():
+    torch.manual_seed(0)
+    gptj = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64))
+    with pytest.raises(ValueError, match="cannot convert GPTJBlock exactly: attention and MLP run in parallel"):
+        hf.convert(gptj)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    with pytest.raises(ValueError, match="no decoder layer of a known PreNorm family"):
+        hf.convert(gpt2)
+    model = hf.convert(tiny("llama", torch.float32))
+    with pytest.raises(ValueError, match="already converted"):
+        hf.convert(model)
