@@ -19,6 +19,7 @@ Requires ``transformers`` (``pip install "attnres[hf]"``).
 """
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Dict, NamedTuple, Optional
 
@@ -29,19 +30,25 @@ from .modules import AttnResResidual, DepthStream
 
 
 class Family(NamedTuple):
-    """Where a PreNorm decoder layer keeps its parts, and how it is called."""
+    """Where a PreNorm decoder layer keeps its parts: attribute names (None:
+    the layer has no such part)."""
 
     pre_attn_norm: str
     attn: str
+    post_attn_norm: Optional[str]  # a norm of the sublayer's output (Gemma 2/3): part of f
     pre_mlp_norm: str
     mlp: str
+    post_mlp_norm: Optional[str]
     eps: str  # the norms' epsilon attribute
     layers: str  # the decoder layers, on the base model
     final_norm: str  # the final norm, on the base model
 
 
-_LLAMA = Family("input_layernorm", "self_attn", "post_attention_layernorm", "mlp",
+_LLAMA = Family("input_layernorm", "self_attn", None, "post_attention_layernorm", "mlp", None,
                 "variance_epsilon", "layers", "norm")
+_GEMMA2 = Family("input_layernorm", "self_attn", "post_attention_layernorm",
+                 "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "eps", "layers",
+                 "norm")
 
 # Decoder layer class name -> its family entry.
 FAMILIES: Dict[str, Family] = {
@@ -49,7 +56,15 @@ FAMILIES: Dict[str, Family] = {
     "MistralDecoderLayer": _LLAMA,
     "Qwen2DecoderLayer": _LLAMA,
     "Qwen3DecoderLayer": _LLAMA,
+    "GemmaDecoderLayer": _LLAMA._replace(eps="eps"),
+    "Gemma2DecoderLayer": _GEMMA2,
+    "Gemma3DecoderLayer": _GEMMA2,
+    "GPT2Block": Family("ln_1", "attn", None, "ln_2", "mlp", None, "eps", "h", "ln_f"),
 }
+
+# Arguments of a layer's forward that its attention does not take: cross
+# attention, which a decoder-only conversion does not support.
+_CROSS_ATTENTION = ("encoder_hidden_states", "encoder_attention_mask")
 
 # Layer class name -> why its model cannot be converted exactly.
 REFUSED: Dict[str, str] = {
@@ -71,21 +86,39 @@ def _set_eps(norm: nn.Module, attr: str, n: int) -> None:
     setattr(norm, attr, getattr(norm, attr) / n ** 2)
 
 
+def _attention_kwargs(layer, hidden_states, args, kwargs) -> dict:
+    """The layer's call arguments after hidden_states, by name (the model
+    may pass some positionally), as its attention takes them."""
+    bound = layer.attnres_signature.bind(layer, hidden_states, *args, **kwargs).arguments
+    out = {}
+    for name, value in bound.items():
+        if name in ("self", "hidden_states"):
+            continue
+        if layer.attnres_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif name in _CROSS_ATTENTION:
+            if value is not None:
+                raise ValueError(f"a converted decoder layer does not take {name} (cross attention)")
+        else:
+            out[name] = value
+    return out
+
+
 def _converted_forward(self, hidden_states, *args, **kwargs):
     """A converted decoder layer: takes the stream (the first layer: the
     embeddings) and returns a new one with its two outputs appended."""
     fam: Family = self.attnres_family
+    attn_kwargs = _attention_kwargs(self, hidden_states, args, kwargs)
     stream = hidden_states
     if not isinstance(stream, DepthStream):
         stream = DepthStream(hidden_states, self.attnres_block_size, readers=self.attnres_readers)
     stream = stream.clone()
-    if args:
-        raise TypeError("a converted decoder layer takes its arguments after hidden_states by keyword")
     h = getattr(self, fam.pre_attn_norm)(self.attnres_attn(stream))
-    out = getattr(self, fam.attn)(hidden_states=h, **kwargs)
-    stream.append(out[0] if isinstance(out, tuple) else out)
-    h = getattr(self, fam.pre_mlp_norm)(self.attnres_mlp(stream))
-    stream.append(getattr(self, fam.mlp)(h))
+    out = getattr(self, fam.attn)(hidden_states=h, **attn_kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    stream.append(getattr(self, fam.post_attn_norm)(out) if fam.post_attn_norm else out)
+    out = getattr(self, fam.mlp)(getattr(self, fam.pre_mlp_norm)(self.attnres_mlp(stream)))
+    stream.append(getattr(self, fam.post_mlp_norm)(out) if fam.post_mlp_norm else out)
     return stream
 
 
@@ -104,11 +137,18 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 
 def convert(model: nn.Module, *, block_size: Optional[int] = None,
-            dtype: Optional[torch.dtype] = None) -> nn.Module:
+            block_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Converts ``model`` (a transformers decoder, or its base model) in place
     and returns it. ``block_size``: None for Full AttnRes, S sublayers per
-    block for Block AttnRes (a layer has 2 sublayers). ``dtype``: the reads'
+    block for Block AttnRes; or ``block_layers``: S layers per block (Kimi
+    K3's convention; a layer has 2 sublayers). ``dtype``: the reads'
     parameters (default: the model's)."""
+    if block_layers is not None:
+        if block_size is not None:
+            raise ValueError("attnres.hf.convert: give block_size (sublayers) or block_layers, not both")
+        if isinstance(block_layers, bool) or not isinstance(block_layers, int) or block_layers <= 0:
+            raise ValueError(f"block_layers must be a positive int, got {block_layers!r}")
+        block_size = 2 * block_layers
     base = _base_model(model)
     if getattr(base, "attnres_final", None) is not None:
         raise ValueError("attnres.hf.convert: the model is already converted")
@@ -144,9 +184,11 @@ def convert(model: nn.Module, *, block_size: Optional[int] = None,
         object.__setattr__(layer, "attnres_family", fam)
         object.__setattr__(layer, "attnres_block_size", block_size)
         object.__setattr__(layer, "attnres_readers", tuple(readers) if block_size else None)
+        object.__setattr__(layer, "attnres_signature", inspect.signature(type(layer).forward))
         layer.forward = types.MethodType(_converted_forward, layer)
     _set_eps(final_norm, fam.eps, _sources_read_by(2 * len(layers), block_size))
     final_norm.register_forward_pre_hook(lambda _m, args: (base.attnres_final(args[0]),))
     base.register_forward_hook(_residual_hidden_states, with_kwargs=True)
+    DepthStream(torch.zeros(1, width), block_size)  # the stream's own check of block_size
     base.config.attnres = {"block_size": block_size}
     return model

@@ -13,23 +13,29 @@ transformers = pytest.importorskip(
 from attnres import hf  # noqa: E402
 
 VOCAB = 97  # odd
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 FAMILIES = {
-    "llama": transformers.LlamaConfig,
-    "mistral": transformers.MistralConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen3": transformers.Qwen3Config,
+    "llama": (transformers.LlamaConfig, LLAMA_LIKE),
+    "mistral": (transformers.MistralConfig, LLAMA_LIKE),
+    "qwen2": (transformers.Qwen2Config, LLAMA_LIKE),
+    "qwen3": (transformers.Qwen3Config, LLAMA_LIKE),
+    "gemma": (transformers.GemmaConfig, LLAMA_LIKE),
+    "gemma2": (transformers.Gemma2Config, LLAMA_LIKE),
+    "gemma3": (transformers.Gemma3TextConfig, LLAMA_LIKE),
+    "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_head=4, n_positions=64)),
 }
 
 
 def tiny(family, dtype, layers=3, seed=0):
     torch.manual_seed(seed)
-    cfg = FAMILIES[family](vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, max_position_embeddings=64)
+    config_class, kw = FAMILIES[family]
+    layer_key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    cfg = config_class(vocab_size=VOCAB, **{layer_key: layers}, **kw)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():  # gains away from 1, so the converted norms' weights matter
+    with torch.no_grad():  # norm gains away from their init, so the converted norms' gains matter
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if p.dim() == 1 and name.endswith("weight") and ("norm" in name or ".ln" in name):
                 p.uniform_(0.5, 1.5)
     return model
 
@@ -52,16 +58,17 @@ def rel(a, b):
 TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 
 
-@pytest.mark.parametrize("block_size", [None, 2, 3], ids=["full", "S2", "S3"])
+@pytest.mark.parametrize("block", [None, 2, 3, "layers=1"], ids=["full", "S2", "S3", "K3-style"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_converted_model_computes_the_original_function(family, block_size):
+def test_converted_model_computes_the_original_function(family, block):
     dtype = torch.float32
     model = tiny(family, dtype)
     idx, mask = batch()
     with torch.no_grad():
         want = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
         want_tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    assert hf.convert(model, block_size=block_size) is model
+    kw = dict(block_layers=1) if block == "layers=1" else dict(block_size=block)
+    assert hf.convert(model, **kw) is model
     with torch.no_grad():
         got = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
         tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
@@ -74,7 +81,8 @@ def test_converted_model_computes_the_original_function(family, block_size):
         assert rel(a, b) < TOL[dtype]
     # The comparison has power: a non-zero query changes the function.
     with torch.no_grad():
-        model.model.layers[1].attnres_mlp.query.normal_()
+        hf._base_model(model).get_submodule(
+            "h.1" if family == "gpt2" else "layers.1").attnres_mlp.query.normal_()
         assert rel(model(idx, attention_mask=mask).logits, want.logits) > 1e-3
 
 
@@ -115,10 +123,13 @@ def test_refusals():
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64))
     with pytest.raises(ValueError, match="cannot convert GPTJBlock exactly: attention and MLP run in parallel"):
         hf.convert(gptj)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96))
     with pytest.raises(ValueError, match="no decoder layer of a known PreNorm family"):
-        hf.convert(gpt2)
+        hf.convert(bert)
+    with pytest.raises(ValueError, match="block_size .sublayers. or block_layers, not both"):
+        hf.convert(tiny("llama", torch.float32), block_size=2, block_layers=1)
     model = hf.convert(tiny("llama", torch.float32))
     with pytest.raises(ValueError, match="already converted"):
         hf.convert(model)
