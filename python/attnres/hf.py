@@ -20,7 +20,6 @@ Requires ``transformers`` (``pip install "attnres[hf]"``).
 from __future__ import annotations
 
 import inspect
-import types
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -122,6 +121,19 @@ def _converted_forward(self, hidden_states, *args, **kwargs):
     return stream
 
 
+_CONVERTED_CLASSES: Dict[type, type] = {}
+
+
+def _converted_class(cls: type) -> type:
+    """``cls`` with the stream forward: a subclass, so that what the class
+    does around its forward (transformers' gradient checkpointing wraps
+    each layer class's forward) applies to the new one."""
+    if cls not in _CONVERTED_CLASSES:
+        _CONVERTED_CLASSES[cls] = type(f"AttnRes{cls.__name__}", (cls,),
+                                       {"forward": _converted_forward, "__module__": __name__})
+    return _CONVERTED_CLASSES[cls]
+
+
 def _residual_hidden_states(module, args, kwargs, output):
     """output_hidden_states: each layer's stream as the tensor the original
     model's API promises, the sum of its sources (the residual stream)."""
@@ -185,10 +197,49 @@ def convert(model: nn.Module, *, block_size: Optional[int] = None,
         object.__setattr__(layer, "attnres_block_size", block_size)
         object.__setattr__(layer, "attnres_readers", tuple(readers) if block_size else None)
         object.__setattr__(layer, "attnres_signature", inspect.signature(type(layer).forward))
-        layer.forward = types.MethodType(_converted_forward, layer)
+        layer.__class__ = _converted_class(type(layer))
     _set_eps(final_norm, fam.eps, _sources_read_by(2 * len(layers), block_size))
     final_norm.register_forward_pre_hook(lambda _m, args: (base.attnres_final(args[0]),))
     base.register_forward_hook(_residual_hidden_states, with_kwargs=True)
     DepthStream(torch.zeros(1, width), block_size)  # the stream's own check of block_size
     base.config.attnres = {"block_size": block_size}
+    return model
+
+
+def from_pretrained(path, **kwargs) -> nn.Module:
+    """Loads a converted model saved with ``save_pretrained``: the original
+    architecture through ``transformers.AutoModelForCausalLM`` (``kwargs``
+    go to it), converted with the saved settings (``config.attnres``), then
+    the reads' parameters from the saved weights."""
+    import json
+    import os
+
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    settings = getattr(config, "attnres", None)
+    if not isinstance(settings, dict):
+        raise ValueError(f"attnres.hf.from_pretrained: {path} holds no converted model "
+                         "(its config has no 'attnres' settings); load it with transformers")
+    files = ["model.safetensors"]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    state = {}
+    for name in files:
+        state.update({k: v for k, v in load_file(os.path.join(path, name)).items() if ".attnres_" in k})
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the reads' weights are unknown to transformers
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    convert(model, block_size=settings["block_size"],
+            dtype=next(iter(state.values())).dtype if state else None)
+    missing = [k for k in model.state_dict() if ".attnres_" in k and k not in state]
+    if missing:
+        raise ValueError(f"attnres.hf.from_pretrained: {path} lacks the reads' weights {missing[:3]}")
+    model.load_state_dict(state, strict=False)
     return model

@@ -133,3 +133,64 @@ def test_refusals():
     model = hf.convert(tiny("llama", torch.float32))
     with pytest.raises(ValueError, match="already converted"):
         hf.convert(model)
+
+
+def test_save_pretrained_and_from_pretrained_round_trip_bit_for_bit(tmp_path):
+    model = hf.convert(tiny("qwen3", torch.float32), block_size=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".attnres_" in name:
+                p.normal_()
+    idx, mask = batch()
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(tmp_path).eval()
+    assert loaded.config.attnres == {"block_size": 2}
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(loaded(idx, attention_mask=mask).logits, model(idx, attention_mask=mask).logits)
+    plain = tiny("llama", torch.float32)
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="holds no converted model"):
+        hf.from_pretrained(tmp_path / "plain")
+
+
+def gradients(model, idx):
+    model.zero_grad(set_to_none=True)
+    model(idx, labels=idx).loss.backward()
+    return {n.removeprefix("_orig_mod."): p.grad.clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_and_compile_give_the_same_gradients():
+    model = hf.convert(tiny("llama", torch.float32).train(), block_size=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".attnres_" in name:
+                p.normal_(0, 0.1)
+    idx, _ = batch()
+    want = gradients(model, idx)
+    reads = []
+    model.model.layers[1].attnres_attn.register_forward_hook(lambda *_: reads.append(1))
+    model.activation_checkpointing_enable()
+    got = gradients(model, idx)
+    assert len(reads) == 2  # the layer ran again in backward: checkpointing is active
+    model.activation_checkpointing_disable()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # no graph break anywhere
+    got = gradients(compiled, idx)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bf16_autocast_stays_close_to_float32():
+    model = hf.convert(tiny("mistral", torch.float32), block_size=2)
+    idx, mask = batch()
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(idx, attention_mask=mask).logits
+    assert rel(got.float(), want) < 2e-2
