@@ -194,3 +194,18 @@ def test_bf16_autocast_stays_close_to_float32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = model(idx, attention_mask=mask).logits
     assert rel(got.float(), want) < 2e-2
+
+
+def test_the_continued_training_example_starts_from_the_original_loss():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf" / "continue_training.py"
+    run = subprocess.run([sys.executable, str(example), "--steps", "2", "--every", "1", "--seq-len", "32",
+                          "--block-size", "4"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = re.search(r"step +0: original (\S+)  attnres (\S+)", run.stdout)
+    assert first, run.stdout
+    assert float(first.group(2)) == pytest.approx(float(first.group(1)), rel=1e-5)
