@@ -41,10 +41,11 @@ class Family(NamedTuple):
     eps: str  # the norms' epsilon attribute
     layers: str  # the decoder layers, on the base model
     final_norm: str  # the final norm, on the base model
+    rmsnorm: bool = False  # its norms are weight * RMSNorm(x): out_norm="rmsnorm" can fuse them
 
 
 _LLAMA = Family("input_layernorm", "self_attn", None, "post_attention_layernorm", "mlp", None,
-                "variance_epsilon", "layers", "norm")
+                "variance_epsilon", "layers", "norm", rmsnorm=True)
 _GEMMA2 = Family("input_layernorm", "self_attn", "post_attention_layernorm",
                  "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "eps", "layers",
                  "norm")
@@ -55,7 +56,7 @@ FAMILIES: Dict[str, Family] = {
     "MistralDecoderLayer": _LLAMA,
     "Qwen2DecoderLayer": _LLAMA,
     "Qwen3DecoderLayer": _LLAMA,
-    "GemmaDecoderLayer": _LLAMA._replace(eps="eps"),
+    "GemmaDecoderLayer": _LLAMA._replace(eps="eps", rmsnorm=False),  # (1 + w) * RMSNorm(x)
     "Gemma2DecoderLayer": _GEMMA2,
     "Gemma3DecoderLayer": _GEMMA2,
     "GPT2Block": Family("ln_1", "attn", None, "ln_2", "mlp", None, "eps", "h", "ln_f"),
@@ -79,10 +80,6 @@ def _sources_read_by(j: int, block_size: Optional[int]) -> int:
     if block_size is None:
         return j + 1
     return 1 + j // block_size + (1 if j % block_size else 0)
-
-
-def _set_eps(norm: nn.Module, attr: str, n: int) -> None:
-    setattr(norm, attr, getattr(norm, attr) / n ** 2)
 
 
 def _attention_kwargs(layer, hidden_states, args, kwargs) -> dict:
@@ -149,18 +146,24 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 
 def convert(model: nn.Module, *, block_size: Optional[int] = None,
-            block_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+            block_layers: Optional[int] = None, out_norm: Optional[str] = None,
+            dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Converts ``model`` (a transformers decoder, or its base model) in place
     and returns it. ``block_size``: None for Full AttnRes, S sublayers per
     block for Block AttnRes; or ``block_layers``: S layers per block (Kimi
-    K3's convention; a layer has 2 sublayers). ``dtype``: the reads'
-    parameters (default: the model's)."""
+    K3's convention; a layer has 2 sublayers). ``out_norm="rmsnorm"``: each
+    pre-norm (and the final norm) is fused into its read, its gain becoming
+    the read's ``out_weight`` (families whose norms are ``weight *
+    RMSNorm(x)``). ``dtype``: the reads' parameters (default: the model's)."""
     if block_layers is not None:
         if block_size is not None:
             raise ValueError("attnres.hf.convert: give block_size (sublayers) or block_layers, not both")
         if isinstance(block_layers, bool) or not isinstance(block_layers, int) or block_layers <= 0:
             raise ValueError(f"block_layers must be a positive int, got {block_layers!r}")
         block_size = 2 * block_layers
+    DepthStream(torch.zeros(1, 1), block_size)  # the stream's own check of block_size
+    if out_norm not in (None, "rmsnorm"):
+        raise ValueError(f"out_norm must be None or 'rmsnorm', got {out_norm!r}")
     base = _base_model(model)
     if getattr(base, "attnres_final", None) is not None:
         raise ValueError("attnres.hf.convert: the model is already converted")
@@ -176,33 +179,46 @@ def convert(model: nn.Module, *, block_size: Optional[int] = None,
             f"{type(model).__name__} (known: {', '.join(sorted(FAMILIES))}); a family is one "
             "entry of attnres.hf.FAMILIES"
         )
-    fam = FAMILIES[type(found[0]).__name__]
+    kind = type(found[0]).__name__
+    fam = FAMILIES[kind]
+    if out_norm and not fam.rmsnorm:
+        raise ValueError(f"out_norm='rmsnorm' fuses norms of the form weight * RMSNorm(x); "
+                         f"{kind}'s are not: convert it with out_norm=None")
     layers = getattr(base, fam.layers)
-    final_norm = getattr(base, fam.final_norm)
     width = getattr(layers[0], fam.pre_attn_norm).weight.shape[-1]
     param = next(model.parameters())
-    factory = dict(dtype=dtype or param.dtype, device=param.device)
+
+    def make_read(owner: nn.Module, norm_name: str, j: int) -> AttnResResidual:
+        """Read j (after j outputs), and its norm's eps made eps / N**2."""
+        norm = getattr(owner, norm_name)
+        eps = getattr(norm, fam.eps) / _sources_read_by(j, block_size) ** 2
+        if out_norm is None:
+            setattr(norm, fam.eps, eps)
+            return AttnResResidual(width, dtype=dtype or param.dtype, device=param.device)
+        read = AttnResResidual(width, out_norm="rmsnorm", out_eps=eps, dtype=norm.weight.dtype,
+                               device=norm.weight.device)
+        read.out_weight = norm.weight  # the same Parameter: the gain moves into the read
+        setattr(owner, norm_name, nn.Identity())
+        return read
+
     readers = []
-    for layer in layers:
-        layer.attnres_attn = AttnResResidual(width, **factory)
-        layer.attnres_mlp = AttnResResidual(width, **factory)
-        readers += [layer.attnres_attn, layer.attnres_mlp]
-    base.attnres_final = AttnResResidual(width, **factory)
-    readers.append(base.attnres_final)
     for j, layer in enumerate(layers):
-        _set_eps(getattr(layer, fam.pre_attn_norm), fam.eps, _sources_read_by(2 * j, block_size))
-        _set_eps(getattr(layer, fam.pre_mlp_norm), fam.eps, _sources_read_by(2 * j + 1, block_size))
+        layer.attnres_attn = make_read(layer, fam.pre_attn_norm, 2 * j)
+        layer.attnres_mlp = make_read(layer, fam.pre_mlp_norm, 2 * j + 1)
+        readers += [layer.attnres_attn, layer.attnres_mlp]
+    base.attnres_final = make_read(base, fam.final_norm, 2 * len(layers))
+    readers.append(base.attnres_final)
+    for layer in layers:
         # Plain attributes: the family and the reads' order are not submodules.
         object.__setattr__(layer, "attnres_family", fam)
         object.__setattr__(layer, "attnres_block_size", block_size)
         object.__setattr__(layer, "attnres_readers", tuple(readers) if block_size else None)
         object.__setattr__(layer, "attnres_signature", inspect.signature(type(layer).forward))
         layer.__class__ = _converted_class(type(layer))
-    _set_eps(final_norm, fam.eps, _sources_read_by(2 * len(layers), block_size))
-    final_norm.register_forward_pre_hook(lambda _m, args: (base.attnres_final(args[0]),))
+    getattr(base, fam.final_norm).register_forward_pre_hook(
+        lambda _m, args: (base.attnres_final(args[0]),))
     base.register_forward_hook(_residual_hidden_states, with_kwargs=True)
-    DepthStream(torch.zeros(1, width), block_size)  # the stream's own check of block_size
-    base.config.attnres = {"block_size": block_size}
+    base.config.attnres = {"block_size": block_size, "out_norm": out_norm}
     return model
 
 
@@ -236,7 +252,7 @@ def from_pretrained(path, **kwargs) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    convert(model, block_size=settings["block_size"],
+    convert(model, block_size=settings["block_size"], out_norm=settings.get("out_norm"),
             dtype=next(iter(state.values())).dtype if state else None)
     missing = [k for k in model.state_dict() if ".attnres_" in k and k not in state]
     if missing:

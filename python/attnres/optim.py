@@ -49,9 +49,12 @@ def param_groups(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
+    # A read's query and key-norm gain; its out_weight is a pre-norm's gain
+    # (the sublayer's norm fused into the read) and stays with the norm gains.
     attnres_ids = {
-        id(p) for module in model.modules() if isinstance(module, AttnResResidual)
-        for p in module.parameters(recurse=False)
+        id(module._parameters[name]) for module in model.modules()
+        if isinstance(module, AttnResResidual)
+        for name in ("query", "norm_weight") if module._parameters[name] is not None
     }
     decay, no_decay, attnres = [], [], []
     seen = set()

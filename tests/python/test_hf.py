@@ -86,6 +86,31 @@ def test_converted_model_computes_the_original_function(family, block):
         assert rel(model(idx, attention_mask=mask).logits, want.logits) > 1e-3
 
 
+@pytest.mark.parametrize("block_size", [None, 2], ids=["full", "S2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_pre_norms_compute_the_original_function(family, block_size):
+    """out_norm='rmsnorm': every pre-norm (and the final norm) moves into its
+    read; the gains are the same Parameters, in the optimizer's norm group."""
+    model = tiny(family, torch.float32)
+    idx, mask = batch()
+    gains = {id(p) for n, p in model.named_parameters()
+             if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight"))}
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask).logits
+        want_tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        hf.convert(model, block_size=block_size, out_norm="rmsnorm")
+        assert rel(model(idx, attention_mask=mask).logits, want) < TOL[torch.float32]
+        assert torch.equal(model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False),
+                           want_tokens)
+    base = model.model
+    assert isinstance(base.norm, torch.nn.Identity) and isinstance(base.layers[0].input_layernorm,
+                                                                   torch.nn.Identity)
+    assert {id(r.out_weight) for r in base.modules() if isinstance(r, attnres.AttnResResidual)} == gains
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in attnres.param_groups(model, lr=1.0,
+                                                                                    weight_decay=0.1)}
+    assert gains <= groups["no_decay"] and not gains & groups["attnres"]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_float64_models_agree_to_float32_rounding(family):
     model = tiny(family, torch.float64)
@@ -128,6 +153,10 @@ def test_refusals():
         intermediate_size=96))
     with pytest.raises(ValueError, match="no decoder layer of a known PreNorm family"):
         hf.convert(bert)
+    with pytest.raises(ValueError, match="GPT2Block's are not: convert it with out_norm=None"):
+        hf.convert(tiny("gpt2", torch.float32), out_norm="rmsnorm")
+    with pytest.raises(ValueError, match="GemmaDecoderLayer's are not"):
+        hf.convert(tiny("gemma", torch.float32), out_norm="rmsnorm")
     with pytest.raises(ValueError, match="block_size .sublayers. or block_layers, not both"):
         hf.convert(tiny("llama", torch.float32), block_size=2, block_layers=1)
     model = hf.convert(tiny("llama", torch.float32))
@@ -136,7 +165,7 @@ def test_refusals():
 
 
 def test_save_pretrained_and_from_pretrained_round_trip_bit_for_bit(tmp_path):
-    model = hf.convert(tiny("qwen3", torch.float32), block_size=2)
+    model = hf.convert(tiny("qwen3", torch.float32), block_size=2, out_norm="rmsnorm")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".attnres_" in name:
@@ -144,7 +173,7 @@ def test_save_pretrained_and_from_pretrained_round_trip_bit_for_bit(tmp_path):
     idx, mask = batch()
     model.save_pretrained(tmp_path)
     loaded = hf.from_pretrained(tmp_path).eval()
-    assert loaded.config.attnres == {"block_size": 2}
+    assert loaded.config.attnres == {"block_size": 2, "out_norm": "rmsnorm"}
     assert list(loaded.state_dict()) == list(model.state_dict())
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name

@@ -132,3 +132,12 @@ def test_lr_scheduler_keeps_the_ratio_and_zero_scale_freezes_the_reads():
         sched.step()
     g = by_name(opt.param_groups)
     assert g["attnres"]["lr"] / g["decay"]["lr"] == pytest.approx(0.1)
+
+
+def test_a_fused_pre_norm_gain_stays_with_the_norm_gains():
+    """out_weight is the sublayer's pre-norm gain moved into the read: the
+    no_decay group at the full rate, not the reads' scaled group."""
+    read = attnres.AttnResResidual(8, out_norm="rmsnorm")
+    groups = {g["name"]: g["params"] for g in attnres.param_groups(read, lr=1.0, weight_decay=0.1)}
+    assert [id(p) for p in groups["no_decay"]] == [id(read.out_weight)]
+    assert {id(p) for p in groups["attnres"]} == {id(read.query), id(read.norm_weight)}
