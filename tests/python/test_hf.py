@@ -238,3 +238,42 @@ def test_the_continued_training_example_starts_from_the_original_loss():
     first = re.search(r"step +0: original (\S+)  attnres (\S+)", run.stdout)
     assert first, run.stdout
     assert float(first.group(2)) == pytest.approx(float(first.group(1)), rel=1e-5)
+
+
+def _ddp_worker(rank, port, out_path):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = hf.convert(tiny("qwen2", torch.float32).train(), block_size=2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        idx, mask = batch()
+        rows = slice(rank, rank + 1)
+        ddp(idx[rows], attention_mask=mask[rows], labels=idx[rows]).loss.backward()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in model.named_parameters()}, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_of_a_converted_model_matches_one_process(tmp_path):
+    """2 gloo ranks, one sequence each: the averaged gradients are those of
+    the mean of the two sequences' losses in one process."""
+    import torch.multiprocessing as mp
+
+    from helpers import distributed_skip_reason, free_port
+
+    skip = distributed_skip_reason("torch.nn.parallel", "DistributedDataParallel")
+    if skip:
+        pytest.skip(skip)
+    out_path = tmp_path / "grads.pt"
+    mp.spawn(_ddp_worker, args=(free_port(), str(out_path)), nprocs=2)
+    got = torch.load(out_path)
+    model = hf.convert(tiny("qwen2", torch.float32).train(), block_size=2)
+    idx, mask = batch()
+    losses = [model(idx[r:r + 1], attention_mask=mask[r:r + 1], labels=idx[r:r + 1]).loss for r in range(2)]
+    (sum(losses) / 2).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
