@@ -37,7 +37,7 @@ fuzz: build
 sanitize: setup | sysdeps
 	PYTHON=$(abspath $(VPY)) MAX_JOBS=$(MAX_JOBS) tests/sanitize/run.sh
 
-# The same with the kernel emulation of every dtype sanitized (fp64 too).
+# The same with the kernel emulation of every dtype sanitized (fp64 and fp16 too).
 sanitize-full: setup | sysdeps
 	ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16" \
 	  PYTHON=$(abspath $(VPY)) MAX_JOBS=$(MAX_JOBS) tests/sanitize/run.sh
