@@ -6,7 +6,9 @@
 A copy of the model is converted with attnres.hf.convert (zero queries, unit
 gains: the original function), then both copies train on the same batches of
 the demo's corpus (the Python standard library's source files). Step 0 prints
-both losses (equal), then the curves every --every steps. Without --model the
+both losses (equal for a model without dropout, such as the tiny Llama; in
+training mode two copies draw different dropout masks), then the curves every
+--every steps. Without --model the
 model is a tiny random Llama over bytes; with it, a pretrained model and its
 tokenizer (transformers downloads them unless given a local path).
 """

@@ -19,6 +19,7 @@ Requires ``transformers`` (``pip install "attnres[hf]"``).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Dict, NamedTuple, Optional
 
@@ -85,12 +86,13 @@ def _sources_read_by(j: int, block_size: Optional[int]) -> int:
 def _attention_kwargs(layer, hidden_states, args, kwargs) -> dict:
     """The layer's call arguments after hidden_states, by name (the model
     may pass some positionally), as its attention takes them."""
-    bound = layer.attnres_signature.bind(layer, hidden_states, *args, **kwargs).arguments
+    signature = _SIGNATURES[type(layer)]
+    bound = signature.bind(layer, hidden_states, *args, **kwargs).arguments
     out = {}
     for name, value in bound.items():
         if name in ("self", "hidden_states"):
             continue
-        if layer.attnres_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             out.update(value)
         elif name in _CROSS_ATTENTION:
             if value is not None:
@@ -119,25 +121,60 @@ def _converted_forward(self, hidden_states, *args, **kwargs):
 
 
 _CONVERTED_CLASSES: Dict[type, type] = {}
+_SIGNATURES: Dict[type, inspect.Signature] = {}  # converted class -> the original forward's
 
 
 def _converted_class(cls: type) -> type:
     """``cls`` with the stream forward: a subclass, so that what the class
     does around its forward (transformers' gradient checkpointing wraps
-    each layer class's forward) applies to the new one."""
+    each layer class's forward) applies to the new one. Its instances
+    pickle and deepcopy through the original class (the subclass is made
+    at run time, so pickle cannot find it by name)."""
     if cls not in _CONVERTED_CLASSES:
-        _CONVERTED_CLASSES[cls] = type(f"AttnRes{cls.__name__}", (cls,),
-                                       {"forward": _converted_forward, "__module__": __name__})
+        new = type(f"AttnRes{cls.__name__}", (cls,),
+                   {"forward": _converted_forward, "__module__": __name__,
+                    "__reduce_ex__": _reduce_converted})
+        _CONVERTED_CLASSES[cls] = new
+        _SIGNATURES[new] = inspect.signature(cls.forward)
     return _CONVERTED_CLASSES[cls]
 
 
+def _reduce_converted(self, protocol):
+    return _new_converted, (type(self).__bases__[0],), self.__dict__.copy()
+
+
+def _new_converted(cls: type) -> nn.Module:
+    converted = _converted_class(cls)
+    return converted.__new__(converted)
+
+
+def _final_read(read: AttnResResidual, _module, args):
+    """The final norm's pre-hook: the norm reads the stream's final read."""
+    return (read(args[0]),)
+
+
+def _as_residual(value):
+    """A stream as the tensor the original model's API promises there, the
+    sum of its sources (the residual stream); other values as they are."""
+    if isinstance(value, DepthStream):
+        sources = value.sources
+        total = sources[0]
+        for t in sources[1:]:
+            total = total + t
+        return total
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_residual(v) for v in value)
+    return value
+
+
 def _residual_hidden_states(module, args, kwargs, output):
-    """output_hidden_states: each layer's stream as the tensor the original
-    model's API promises, the sum of its sources (the residual stream)."""
+    """output_hidden_states: each layer's stream as a tensor (a ModelOutput's
+    hidden_states, or anywhere in a return_dict=False tuple)."""
+    if isinstance(output, tuple):
+        return _as_residual(output)
     states = getattr(output, "hidden_states", None)
     if states:
-        output.hidden_states = tuple(
-            torch.stack(s.sources).sum(0) if isinstance(s, DepthStream) else s for s in states)
+        output.hidden_states = _as_residual(states)
     return output
 
 
@@ -184,23 +221,31 @@ def convert(model: nn.Module, *, block_size: Optional[int] = None,
     if out_norm and not fam.rmsnorm:
         raise ValueError(f"out_norm='rmsnorm' fuses norms of the form weight * RMSNorm(x); "
                          f"{kind}'s are not: convert it with out_norm=None")
-    layers = getattr(base, fam.layers)
+    layers = getattr(base, fam.layers, None)
+    if layers is None or not hasattr(base, fam.final_norm):
+        raise ValueError(
+            f"attnres.hf.convert: {type(model).__name__} holds {kind} layers but not as "
+            f"{type(base).__name__}.{fam.layers} with a final norm .{fam.final_norm}: convert the "
+            "decoder that holds them (a multimodal model's language model)")
     width = getattr(layers[0], fam.pre_attn_norm).weight.shape[-1]
-    param = next(model.parameters())
+    if out_norm and dtype is not None:
+        raise ValueError("attnres.hf.convert: with out_norm='rmsnorm' the reads take their norm "
+                         "gains' dtype; leave dtype=None")
 
     def make_read(owner: nn.Module, norm_name: str, j: int) -> AttnResResidual:
         """Read j (after j outputs), and its norm's eps made eps / N**2."""
         norm = getattr(owner, norm_name)
         eps = getattr(norm, fam.eps) / _sources_read_by(j, block_size) ** 2
         if out_norm is None:
-            setattr(norm, fam.eps, eps)
-            return AttnResResidual(width, dtype=dtype or param.dtype, device=param.device)
+            setattr(norm, fam.eps, eps)  # on the norm's device, in its dtype unless given
+            return AttnResResidual(width, dtype=dtype or norm.weight.dtype, device=norm.weight.device)
         read = AttnResResidual(width, out_norm="rmsnorm", out_eps=eps, dtype=norm.weight.dtype,
                                device=norm.weight.device)
         read.out_weight = norm.weight  # the same Parameter: the gain moves into the read
         setattr(owner, norm_name, nn.Identity())
         return read
 
+    originals = {type(layer) for layer in layers}
     readers = []
     for j, layer in enumerate(layers):
         layer.attnres_attn = make_read(layer, fam.pre_attn_norm, 2 * j)
@@ -213,10 +258,15 @@ def convert(model: nn.Module, *, block_size: Optional[int] = None,
         object.__setattr__(layer, "attnres_family", fam)
         object.__setattr__(layer, "attnres_block_size", block_size)
         object.__setattr__(layer, "attnres_readers", tuple(readers) if block_size else None)
-        object.__setattr__(layer, "attnres_signature", inspect.signature(type(layer).forward))
         layer.__class__ = _converted_class(type(layer))
     getattr(base, fam.final_norm).register_forward_pre_hook(
-        lambda _m, args: (base.attnres_final(args[0]),))
+        functools.partial(_final_read, base.attnres_final))
+    # Device maps and FSDP auto-wrapping find the layers by class name.
+    for m in {id(model): model, id(base): base}.values():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            added = [_converted_class(c).__name__ for c in originals if c.__name__ in names]
+            m._no_split_modules = type(names)([*names, *added])
     base.register_forward_hook(_residual_hidden_states, with_kwargs=True)
     base.config.attnres = {"block_size": block_size, "out_norm": out_norm}
     return model
@@ -252,8 +302,8 @@ def from_pretrained(path, **kwargs) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    convert(model, block_size=settings["block_size"], out_norm=settings.get("out_norm"),
-            dtype=next(iter(state.values())).dtype if state else None)
+    # The reads follow the loaded model's dtype; load_state_dict casts the saved ones.
+    convert(model, block_size=settings["block_size"], out_norm=settings.get("out_norm"))
     missing = [k for k in model.state_dict() if ".attnres_" in k and k not in state]
     if missing:
         raise ValueError(f"attnres.hf.from_pretrained: {path} lacks the reads' weights {missing[:3]}")

@@ -46,6 +46,9 @@ class StreamStage(nn.Module):
             raise ValueError("embed belongs to the first stage (outputs_before=0)")
         self.layers = nn.ModuleList(layers)
         self.embed, self.head = embed, head
+        # The stream's own checks of block_size and block_reads ("two_phase"
+        # needs declared readers, which a stage's stream cannot have).
+        DepthStream(torch.zeros(1, 1), block_size, block_reads=block_reads)
         self.spec = StreamSpec(block_size, outputs_before, block_reads, None)
 
     def forward(self, *inputs: torch.Tensor):

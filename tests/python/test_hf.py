@@ -277,3 +277,47 @@ def test_ddp_of_a_converted_model_matches_one_process(tmp_path):
     (sum(losses) / 2).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_converted_model_deepcopies_and_pickles():
+    """Copies (EMA, averaged models, reference models) read with their own
+    reads, and the run-time layer subclasses pickle through the original."""
+    import copy
+    import pickle
+
+    for block_size in (None, 2):
+        model = hf.convert(tiny("llama", torch.float32), block_size=block_size)
+        idx, mask = batch()
+        with torch.no_grad():
+            want = model(idx, attention_mask=mask).logits
+            twin = copy.deepcopy(model)
+            thawed = pickle.loads(pickle.dumps(model))
+            for other in (twin, thawed):
+                assert type(other.model.layers[0]) is type(model.model.layers[0])
+                assert torch.equal(other(idx, attention_mask=mask).logits, want)
+            model.model.attnres_final.query.normal_()  # the copies have reads of their own
+            assert torch.equal(twin(idx, attention_mask=mask).logits, want)
+    names = model._no_split_modules
+    assert "LlamaDecoderLayer" in names and "AttnResLlamaDecoderLayer" in names
+
+
+def test_tuple_outputs_and_dtypes():
+    model = hf.convert(tiny("qwen2", torch.float32), block_size=2)
+    idx, mask = batch()
+    with torch.no_grad():
+        states = model.model(idx, attention_mask=mask, output_hidden_states=True, return_dict=False)[-1]
+    assert all(isinstance(s, torch.Tensor) for s in states)
+    with pytest.raises(ValueError, match="leave dtype=None"):
+        hf.convert(tiny("llama", torch.float32), out_norm="rmsnorm", dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs the stream's readers declared"):
+        attnres.pipelining.StreamStage([], outputs_before=0, block_size=2, block_reads="two_phase")
+
+
+def test_from_pretrained_in_another_dtype(tmp_path):
+    model = hf.convert(tiny("llama", torch.bfloat16), block_size=2)
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(tmp_path, dtype=torch.float32)
+    assert loaded.model.attnres_final.query.dtype == torch.float32
+    idx, mask = batch()
+    with torch.no_grad():
+        loaded(idx, attention_mask=mask)
