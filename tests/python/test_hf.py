@@ -321,3 +321,33 @@ def test_from_pretrained_in_another_dtype(tmp_path):
     idx, mask = batch()
     with torch.no_grad():
         loaded(idx, attention_mask=mask)
+
+
+def test_a_peft_lora_adapter_on_a_converted_model():
+    """LoRA on the attention projections: at init the adapted model is the
+    original function; the reads are frozen with the base model unless the
+    user unfreezes them, and then they train with the adapter."""
+    peft = pytest.importorskip("peft", reason="the LoRA test needs peft (make test installs it)")
+    model = tiny("llama", torch.float32).train()
+    idx, mask = batch()
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask).logits
+    hf.convert(model, block_size=2)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        assert rel(adapted(idx, attention_mask=mask).logits, want) < TOL[torch.float32]
+    reads = [m for m in adapted.modules() if isinstance(m, attnres.AttnResResidual)]
+    assert reads and not any(p.requires_grad for r in reads for p in r.parameters())
+    for r in reads:  # the user's choice: train the reads too
+        r.requires_grad_(True)
+    opt = torch.optim.AdamW(attnres.param_groups(adapted, lr=1e-2, weight_decay=0.0))
+    losses = []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        loss = adapted(idx, attention_mask=mask, labels=idx).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert reads[3].query.grad.abs().sum() > 0
+    assert all(p.grad is not None for n, p in adapted.named_parameters() if "lora_" in n)
