@@ -336,8 +336,7 @@ class DepthStream:
         # Phase 2 fuses the reader's output norm when it has one (§11).
         query, gain, out_weight = reader._read_params()
         partial = entry.partials[pos]
-        if grad or entry.with_grad or (partial.is_inference()
-                                       and not torch.is_inference_mode_enabled()):
+        if grad or entry.with_grad or _inference_tensor_outside_inference_mode(partial):
             # Out of place (under no_grad the result has no graph; an inference
             # tensor cannot be written outside inference mode).
             return block_read_merge(
@@ -492,6 +491,14 @@ class AttnResResidual(nn.Module):
         if self.out_norm is not None:
             text += f", out_norm={self.out_norm!r}, out_eps={self.out_eps}"
         return text
+
+
+def _inference_tensor_outside_inference_mode(t: torch.Tensor) -> bool:
+    # torch.compile cannot trace is_inference(): compiled reads skip the check
+    # (dynamo's own advice is torch.no_grad rather than inference_mode).
+    if torch.compiler.is_compiling():
+        return False
+    return t.is_inference() and not torch.is_inference_mode_enabled()
 
 
 def _refuse_reentrant_checkpoint(stream: DepthStream) -> None:
