@@ -122,21 +122,27 @@ def test_float64_models_agree_to_float32_rounding(family):
         assert rel(model(idx, attention_mask=mask).logits, want) < TOL[torch.float64]
 
 
+def train_steps(model, lr, steps):
+    """AdamW steps on one batch (param_groups); the losses."""
+    opt = torch.optim.AdamW(attnres.param_groups(model, lr=lr, weight_decay=0.0))
+    idx, mask = batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(idx, attention_mask=mask, labels=idx).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_converted_llama_trains_on_the_fused_reads(monkeypatch):
     calls = []
     for name in ("depth_attention", "block_reads", "block_read_merge"):
         real = getattr(modules_mod, name)
         monkeypatch.setattr(modules_mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     model = hf.convert(tiny("llama", torch.float32, layers=4).train(), block_size=2)
-    opt = torch.optim.AdamW(attnres.param_groups(model, lr=3e-3, weight_decay=0.0))
-    idx, mask = batch()
-    losses = []
-    for _ in range(8):
-        opt.zero_grad(set_to_none=True)
-        loss = model(idx, attention_mask=mask, labels=idx).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, lr=3e-3, steps=8)
     assert losses[-1] < losses[0]
     assert "depth_attention" in calls
     assert model.model.layers[2].attnres_attn.query.grad.abs().sum() > 0
@@ -340,14 +346,7 @@ def test_a_peft_lora_adapter_on_a_converted_model():
     assert reads and not any(p.requires_grad for r in reads for p in r.parameters())
     for r in reads:  # the user's choice: train the reads too
         r.requires_grad_(True)
-    opt = torch.optim.AdamW(attnres.param_groups(adapted, lr=1e-2, weight_decay=0.0))
-    losses = []
-    for _ in range(5):
-        opt.zero_grad(set_to_none=True)
-        loss = adapted(idx, attention_mask=mask, labels=idx).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(adapted, lr=1e-2, steps=5)
     assert losses[-1] < losses[0]
     assert reads[3].query.grad.abs().sum() > 0
     assert all(p.grad is not None for n, p in adapted.named_parameters() if "lora_" in n)
