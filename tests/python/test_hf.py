@@ -53,8 +53,9 @@ def rel(a, b):
 
 
 # transformers' RMSNorm computes in float32 whatever the model dtype, so the
-# original and the converted model each round there: float64 models agree to
-# float32 rounding, not to float64's.
+# original and the converted model each round there: float64 models as shipped
+# agree to float32 rounding (test_conversion_is_exact_in_float64 removes that
+# cast and asserts 1e-12).
 TOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 
 
@@ -111,8 +112,49 @@ def test_fused_pre_norms_compute_the_original_function(family, block_size):
     assert gains <= groups["no_decay"] and not gains & groups["attnres"]
 
 
+def _float64_rmsnorm(self, x):
+    """transformers' RMSNorm forward without its float32 cast (the same formula
+    in the input's dtype; Gemma's is (1 + w) * norm(x))."""
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * (1 + self.weight) if type(self).__name__.startswith("Gemma") else self.weight * y
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(block_size=2), dict(block_size=3), dict(block_layers=1),
+                                dict(block_size=2, out_norm="rmsnorm")],
+                         ids=["full", "S2", "S3", "K3-style", "S2-fused-norms"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_conversion_is_exact_in_float64(family, kw, monkeypatch):
+    """The conversion itself is exact: with every norm computing in float64
+    (a test-only patch of the RMSNorm classes' float32 cast, on both models;
+    GPT-2's LayerNorm needs none) the converted model's logits, hidden states,
+    loss and greedy tokens equal the original's to float64 rounding."""
+    if kw.get("out_norm") and family in ("gemma", "gemma2", "gemma3", "gpt2"):
+        pytest.skip("out_norm='rmsnorm' is refused for (1 + w) norms and LayerNorm (test_refusals)")
+    model = tiny(family, torch.float64)
+    for cls in {type(m) for m in model.modules() if type(m).__name__.endswith("RMSNorm")}:
+        monkeypatch.setattr(cls, "forward", _float64_rmsnorm)
+    idx, mask = batch()
+    if family == "gemma2":  # its eager attention turns a fully masked float64 row into NaN
+        mask = torch.ones_like(mask)
+    keep = mask.bool()
+    with torch.no_grad():
+        want = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
+        want_tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        hf.convert(model, **kw)
+        got = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
+        tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert rel(got.logits[keep], want.logits[keep]) <= 1e-12
+    assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-12)
+    assert torch.equal(tokens, want_tokens)
+    for a, b in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert rel(a[keep], b[keep]) <= 1e-12
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_float64_models_agree_to_float32_rounding(family):
+    """As people run them (transformers' RMSNorm computes in float32 in every
+    dtype), float64 models agree to float32 rounding."""
     model = tiny(family, torch.float64)
     idx, mask = batch()
     with torch.no_grad():
