@@ -68,11 +68,15 @@ def test_converted_model_computes_the_original_function(family, block):
     with torch.no_grad():
         want = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
         want_tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        want_unmasked = model(idx[:1]).logits  # no attention mask at all
+        want_unmasked_tokens = model.generate(idx[:1], max_new_tokens=20, do_sample=False)
     kw = dict(block_layers=1) if block == "layers=1" else dict(block_size=block)
     assert hf.convert(model, **kw) is model
     with torch.no_grad():
         got = model(idx, attention_mask=mask, labels=idx, output_hidden_states=True)
         tokens = model.generate(idx, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        assert rel(model(idx[:1]).logits, want_unmasked) < TOL[dtype]
+        assert torch.equal(model.generate(idx[:1], max_new_tokens=20, do_sample=False), want_unmasked_tokens)
     assert rel(got.logits, want.logits) < TOL[dtype]
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=TOL[dtype])
     assert torch.equal(tokens, want_tokens)  # KV-cached greedy decoding, token for token
