@@ -537,6 +537,8 @@ def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kw
     tensors, the only arguments that form gives gradients to."""
     if not isinstance(stream, DepthStream):
         raise TypeError(f"attnres.checkpoint expects a DepthStream, got {type(stream).__name__}")
+    if torch.compiler.is_compiling():
+        return _checkpoint_traced(fn, stream, args, use_reentrant, kwargs)
     if not use_reentrant:
         return torch.utils.checkpoint.checkpoint(fn, stream, *args, use_reentrant=False, **kwargs)
     tensors, spec = stream.flatten()
@@ -556,6 +558,33 @@ def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kw
 
     leaves = torch.utils.checkpoint.checkpoint(run, *tensors, *args, use_reentrant=True, **kwargs)
     return torch.utils._pytree.tree_unflatten(list(leaves), out_spec[0])
+
+
+def _checkpoint_traced(fn, stream: DepthStream, args, use_reentrant: bool, kwargs):
+    """attnres.checkpoint under torch.compile. Dynamo's checkpoint region
+    takes and returns tensors only and must not write to anything outside
+    it, so the stream enters as its tensors (rebuilt without the checks,
+    which would put symbolic sizes in Python conditions) and leaves as its
+    tensors plus its number of outputs as the shape of an empty tensor (a
+    trace-time constant). ``fn`` must follow the layer contract: return one
+    stream with the input's block size and schedule."""
+    tensors, spec = stream.flatten()
+    n = len(tensors)
+
+    def run(*flat):
+        out = fn(_unflatten_leaves(flat[:n], spec), *flat[n:])
+        if not isinstance(out, DepthStream) or (out.block_size, out.block_reads, out.readers) != (
+                spec.block_size, spec.block_reads, spec.readers):
+            raise TypeError(
+                "attnres.checkpoint under torch.compile: fn must return one DepthStream with the "
+                "stream's block_size, block_reads and readers (the layer contract), got "
+                f"{type(out).__name__}"
+            )
+        return (*out.tensors(), flat[0].new_empty(out.num_outputs, 0))
+
+    *leaves, count = torch.utils.checkpoint.checkpoint(run, *tensors, *args,
+                                                       use_reentrant=use_reentrant, **kwargs)
+    return _unflatten_leaves(leaves, spec._replace(num_outputs=count.shape[0]))
 
 
 def _unflatten_leaves(leaves, spec: StreamSpec) -> DepthStream:

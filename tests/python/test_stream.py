@@ -310,6 +310,37 @@ def test_attnres_checkpoint_gives_every_parameter_its_gradient(kind, block_size)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=f"grad {i}")
 
 
+
+@pytest.mark.parametrize("block_size", [None, 2])
+@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
+def test_attnres_checkpoint_under_torch_compile(kind, block_size):
+    """Dynamo's checkpoint region takes and returns tensors only: the stream
+    crosses it as its tensors, in one graph, with the eager gradients."""
+    torch._dynamo.reset()
+    layers = [Layer(s) for s in range(5)]
+    final = attnres.AttnResResidual(D, dtype=torch.float64)
+    emb = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
+    params = [emb, *[p for m in (*layers, final) for p in m.parameters()]]
+    reentrant = kind == "reentrant"
+
+    def step(wrap):
+        return run_layers(layers, final, emb, block_size, wrap).pow(2).sum()
+
+    def grads(run):
+        for p in params:
+            p.grad = None
+        run().backward()
+        return [p.grad for p in params]
+
+    want = grads(lambda: step(lambda l, s: l(s)))
+    compiled = torch.compile(lambda: step(lambda l, s: attnres.checkpoint(l, s, use_reentrant=reentrant)),
+                             backend="aot_eager", fullgraph=True)
+    for i, (a, b) in enumerate(zip(grads(compiled), want)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=f"grad {i}")
+    with pytest.raises(Exception, match="fn must return one DepthStream"):
+        torch.compile(lambda: attnres.checkpoint(lambda s: layers[0].res(s), attnres.DepthStream(emb)),
+                      backend="aot_eager", fullgraph=True)()
+
 def test_a_no_grad_layer_between_checkpointed_layers():
     """A frozen layer that starts a block (its phase 1 made under no_grad) must
     not drop the phase-1 results that checkpointed layers recompute from."""
