@@ -534,7 +534,9 @@ def checkpoint(fn, stream: DepthStream, *args, use_reentrant: bool = False, **kw
     new one, or any pytree of streams and tensors). ``fn`` must not append
     to the stream it is given: clone it first (the recomputation must see
     the same sources). With ``use_reentrant=True`` the stream travels as its
-    tensors, the only arguments that form gives gradients to."""
+    tensors, the only arguments that form gives gradients to. Under
+    ``torch.compile`` (either form, one graph) ``fn`` must return one stream
+    with the input's block size and schedule (the layer contract)."""
     if not isinstance(stream, DepthStream):
         raise TypeError(f"attnres.checkpoint expects a DepthStream, got {type(stream).__name__}")
     if torch.compiler.is_compiling():
