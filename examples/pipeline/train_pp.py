@@ -1,24 +1,31 @@
 """Pipeline-parallel training of the example GPT (Block AttnRes) on the CPU.
 
     torchrun --nproc-per-node 2 examples/pipeline/train_pp.py [--steps 50] [--schedule 1F1B]
+        [--residual block|full|standard] [--virtual-stages V] [--layers L] [--d-model D]
 
-Each rank holds half of the transformer blocks as an attnres.pipelining.StreamStage
-(the first stage also the embeddings, the last the final read, norm and head);
-the stream crosses the stage boundary as its tensors. Rank 0 first computes the
-loss of the unsplit model on the first batch, which the pipelined step must
-reproduce; the last rank prints the loss as training goes. The corpus is the
-demo's (the Python standard library's source files, as bytes).
+The transformer blocks are split evenly into ranks x V stages (stage i on rank
+i % ranks; V > 1 runs ScheduleInterleaved1F1B), each an
+attnres.pipelining.StreamStage (the first also the embeddings, the last the
+final read, norm and head); the stream crosses each boundary as its tensors.
+With --residual standard the same split carries the one hidden tensor (the
+baseline of benchmarks/pipeline_step.py). Rank 0 first computes the loss of the
+unsplit model on the first batch, which the pipelined step must reproduce; the
+last rank prints the loss as training goes and the mean time of the steps after
+the first two. The corpus is the demo's (the Python standard library's source
+files, as bytes).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
 
 import attnres
 from attnres.demo import corpus_roots, sample_batch, source_corpus, split_corpus
@@ -37,16 +44,31 @@ class Embed(nn.Module):
 class Head(nn.Module):
     def __init__(self, model: GPT):
         super().__init__()
-        self.final_res, self.ln_f, self.head = model.final_res, model.ln_f, model.head
+        self.final_res = model.final_res if model.cfg.residual != "standard" else nn.Identity()
+        self.ln_f, self.head = model.ln_f, model.head
 
     def forward(self, stream):
         return self.head(self.ln_f(self.final_res(stream)))
 
 
+class PlainStage(nn.Module):
+    """A stage of the standard residual: one hidden tensor in and out."""
+
+    def __init__(self, blocks, embed=None, head=None):
+        super().__init__()
+        self.blocks, self.embed, self.head = nn.ModuleList(blocks), embed, head
+
+    def forward(self, x):
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
 def build(args) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=64, n_layers=4, n_heads=4,
-                          residual="block", block_size=3))
+    model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model,
+                          n_layers=args.layers, n_heads=4, residual=args.residual, block_size=3))
     # Stages cannot share a parameter: untie the head from the token embedding.
     model.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
     return model
@@ -62,12 +84,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--schedule", choices=("GPipe", "1F1B"), default="1F1B")
+    parser.add_argument("--schedule", choices=("GPipe", "1F1B"), default="1F1B",
+                        help="with one stage per rank")
+    parser.add_argument("--residual", choices=("block", "full", "standard"), default="block")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=64)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 2:
-        raise SystemExit("run with torchrun --nproc-per-node 2")
+    n_stages = world * args.virtual_stages
+    if world < 2 or args.layers % n_stages:
+        raise SystemExit(f"run with torchrun --nproc-per-node >= 2, and --layers ({args.layers}) a "
+                         f"multiple of ranks x --virtual-stages ({n_stages})")
     torch.set_num_threads(1)
     train, _ = split_corpus(source_corpus(corpus_roots("stdlib"), 2_000_000))
     gen = torch.Generator().manual_seed(1)
@@ -79,30 +108,46 @@ def main() -> None:
         with torch.no_grad():
             x, y = batches[0]
             print(f"unsplit model, first batch: loss {model(x, y)[1].item():.6f}", flush=True)
-    half = len(model.blocks) // 2
-    # Each block appends 2 outputs (attention, MLP); the boundary falls inside
-    # a block of S = 3 sublayers.
-    if rank == 0:
-        stage_module = attnres.pipelining.StreamStage(model.blocks[:half], outputs_before=0,
-                                                      block_size=3, embed=Embed(model))
+    per_stage = args.layers // n_stages
+    modules = []
+    for i in range(rank, n_stages, world):  # stage i on rank i % world
+        blocks = model.blocks[i * per_stage:(i + 1) * per_stage]
+        embed = Embed(model) if i == 0 else None
+        head = Head(model) if i == n_stages - 1 else None
+        if args.residual == "standard":
+            modules.append(PlainStage(blocks, embed, head))
+        else:
+            # Each block appends 2 outputs (attention, MLP): with S = 3 some
+            # boundaries fall inside a block.
+            modules.append(attnres.pipelining.StreamStage(
+                blocks, outputs_before=2 * i * per_stage, block_size=model.cfg.stream_block_size,
+                embed=embed, head=head))
+    stages = [PipelineStage(m, i, n_stages, torch.device("cpu"))
+              for m, i in zip(modules, range(rank, n_stages, world))]
+    if args.virtual_stages > 1:
+        schedule = ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn)
     else:
-        stage_module = attnres.pipelining.StreamStage(model.blocks[half:], outputs_before=2 * half,
-                                                      block_size=3, head=Head(model))
-    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
-    schedule = (ScheduleGPipe if args.schedule == "GPipe" else Schedule1F1B)(
-        stage, args.microbatches, loss_fn=loss_fn)
+        schedule = (ScheduleGPipe if args.schedule == "GPipe" else Schedule1F1B)(
+            stages[0], args.microbatches, loss_fn=loss_fn)
+    stage_module = nn.ModuleList(modules)
     opt = torch.optim.AdamW(attnres.param_groups(stage_module, lr=3e-3, weight_decay=0.1))
+    first, last = rank == 0, rank == (n_stages - 1) % world
+    times = []
     for step, (x, y) in enumerate(batches):
+        start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         losses = []
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
-            loss = torch.stack(losses).mean().item()
-            if step == 0 or (step + 1) % 10 == 0:
-                print(f"step {step + 1:>4}: pipelined loss {loss:.6f}", flush=True)
+        schedule.step(*([x] if first else []), **(dict(target=y, losses=losses) if last else {}))
         opt.step()
+        times.append(time.perf_counter() - start)
+        if last and (step == 0 or (step + 1) % 10 == 0):
+            loss = torch.stack(losses).mean().item()
+            print(f"step {step + 1:>4}: pipelined loss {loss:.6f}", flush=True)
+    if last and len(times) > 2:
+        print(f"mean step time after 2 steps: {1e3 * sum(times[2:]) / len(times[2:]):.2f} ms "
+              f"({args.residual}, {world} ranks x {args.virtual_stages} stages, {args.layers} layers, "
+              f"d_model {args.d_model}, batch {args.batch} x {args.seq_len}, "
+              f"{args.microbatches} microbatches)", flush=True)
     dist.destroy_process_group()
 
 
