@@ -97,6 +97,12 @@ DepthAttentionForward depth_attention_fwd_autograd(
   check_dense_optional(norm_weight, "norm_weight");
   check_dense_optional(out_weight, "out_weight");
   const bool record = records({&query, ptr(norm_weight), ptr(out_weight)}, sources);
+  // Nothing to record (inference, decode): the kernel alone, without a
+  // node to build and drop (a T = 1 read is host-bound).
+  if (!record) {
+    return call_below_autograd<DepthAttentionFwdOp>(sources, query, norm_weight, eps, scale,
+                                                    out_weight, out_eps, keep_h);
+  }
   const variable_list out = DepthAttentionFunction::apply(
       sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h, record);
   return {out[0], out[1], out[2], out[3], out[4]};
