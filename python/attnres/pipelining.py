@@ -66,7 +66,7 @@ What torch.distributed.pipelining (2.11) does not offer, and what stands in:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
