@@ -318,9 +318,12 @@ def test_stream_cache_checks():
 
 
 @pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
-def test_the_pipeline_example_reproduces_the_unsplit_loss():
+@pytest.mark.parametrize("options", [[], ["--virtual-stages", "2", "--stream-cache"]],
+                         ids=["1F1B", "interleaved-cached"])
+def test_the_pipeline_example_reproduces_the_unsplit_loss(options):
     """examples/pipeline/train_pp.py under torchrun (2 CPU ranks): the first
-    pipelined step's loss is the unsplit model's on the same batch."""
+    pipelined step's loss is the unsplit model's on the same batch (also
+    with 2 stages per rank sharing a StreamCache)."""
     import re
     import subprocess
     import sys
@@ -329,7 +332,7 @@ def test_the_pipeline_example_reproduces_the_unsplit_loss():
     example = Path(__file__).resolve().parents[2] / "examples" / "pipeline" / "train_pp.py"
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(example), "--steps", "2"],
+         "--master-port", str(free_port()), str(example), "--steps", "2", *options],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     unsplit = re.search(r"unsplit model, first batch: loss (\S+)", run.stdout)
