@@ -219,7 +219,9 @@ class StreamStage(nn.Module):
     ``cache``: the rank's :class:`StreamCache` (cross-stage caching for
     interleaved schedules, module docstring). Then a stage takes only the
     sources its rank does not hold and returns only those the next stage's
-    rank does not hold; run it under :class:`StreamPipelineStage`.
+    rank does not hold; run it under :class:`StreamPipelineStage`. The cache
+    steps are Python side effects: ``torch.compile`` of such a stage breaks
+    the graph there (``fullgraph=True`` refuses it); compile its layers.
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, outputs_before: int,
