@@ -1,14 +1,16 @@
 """Pipeline-parallel training of the example GPT (Block AttnRes) on the CPU.
 
     torchrun --nproc-per-node 2 examples/pipeline/train_pp.py [--steps 50] [--schedule 1F1B]
-        [--residual block|full|standard] [--virtual-stages V] [--layers L] [--d-model D]
+        [--residual block|full|standard] [--virtual-stages V] [--stream-cache] [--layers L] [--d-model D]
 
 The transformer blocks are split evenly into ranks x V stages (stage i on rank
 i % ranks; V > 1 runs ScheduleInterleaved1F1B), each an
 attnres.pipelining.StreamStage (the first also the embeddings, the last the
 final read, norm and head); the stream crosses each boundary as its tensors.
 With --residual standard the same split carries the one hidden tensor (the
-baseline of benchmarks/pipeline_step.py). Rank 0 first computes the loss of the
+baseline of benchmarks/pipeline_step.py). With --stream-cache (V > 1) each
+rank's stages share an attnres.pipelining.StreamCache (cross-stage caching): a
+hop carries only the sources the receiving rank does not already hold. Rank 0 first computes the loss of the
 unsplit model on the first batch, which the pipelined step must reproduce; the
 last rank prints the loss as training goes and the mean time of the steps after
 the first two. The corpus is the demo's (the Python standard library's source
@@ -88,6 +90,8 @@ def main() -> None:
                         help="with one stage per rank")
     parser.add_argument("--residual", choices=("block", "full", "standard"), default="block")
     parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank")
+    parser.add_argument("--stream-cache", action="store_true",
+                        help="cross-stage caching of the stream's sources (V > 1, AttnRes)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=64)
     args = parser.parse_args()
@@ -109,6 +113,10 @@ def main() -> None:
             x, y = batches[0]
             print(f"unsplit model, first batch: loss {model(x, y)[1].item():.6f}", flush=True)
     per_stage = args.layers // n_stages
+    cache = None
+    if args.stream_cache and args.residual != "standard" and args.virtual_stages > 1:
+        boundaries = [2 * i * per_stage for i in range(n_stages + 1)]
+        cache = attnres.pipelining.StreamCache(boundaries, num_ranks=world)
     modules = []
     for i in range(rank, n_stages, world):  # stage i on rank i % world
         blocks = model.blocks[i * per_stage:(i + 1) * per_stage]
@@ -121,8 +129,9 @@ def main() -> None:
             # boundaries fall inside a block.
             modules.append(attnres.pipelining.StreamStage(
                 blocks, outputs_before=2 * i * per_stage, block_size=model.cfg.stream_block_size,
-                embed=embed, head=head))
-    stages = [PipelineStage(m, i, n_stages, torch.device("cpu"))
+                embed=embed, head=head, cache=cache))
+    stage_class = PipelineStage if cache is None else attnres.pipelining.StreamPipelineStage
+    stages = [stage_class(m, i, n_stages, torch.device("cpu"))
               for m, i in zip(modules, range(rank, n_stages, world))]
     if args.virtual_stages > 1:
         schedule = ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn)
@@ -145,7 +154,8 @@ def main() -> None:
             print(f"step {step + 1:>4}: pipelined loss {loss:.6f}", flush=True)
     if last and len(times) > 2:
         print(f"mean step time after 2 steps: {1e3 * sum(times[2:]) / len(times[2:]):.2f} ms "
-              f"({args.residual}, {world} ranks x {args.virtual_stages} stages, {args.layers} layers, "
+              f"({args.residual}{', stream cache' if cache is not None else ''}, {world} ranks x "
+              f"{args.virtual_stages} stages, {args.layers} layers, "
               f"d_model {args.d_model}, batch {args.batch} x {args.seq_len}, "
               f"{args.microbatches} microbatches)", flush=True)
     dist.destroy_process_group()

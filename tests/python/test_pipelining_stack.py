@@ -1,8 +1,9 @@
 """Pipeline stages combined with the rest of the training stack, on gloo CPU
 ranks: 4 ranks with 2 virtual stages each (ScheduleInterleaved1F1B over 8
-stages), activation checkpointing inside the stages with each stage's module
-compiled, and FSDP2 sharding every stage over 2 data-parallel ranks (a 2 x 2
-mesh). Loss and every gradient equal the unsplit model's (float64)."""
+stages; also with cross-stage caching, a StreamCache per rank), activation
+checkpointing inside the stages with each stage's module compiled, and FSDP2
+sharding every stage over 2 data-parallel ranks (a 2 x 2 mesh). Loss and every
+gradient equal the unsplit model's (float64)."""
 import functools
 
 import pytest
@@ -58,19 +59,20 @@ def unsplit_grads(block_size, x, target):
 
 
 def _run(pp_rank, pp_size, cuts, block_size, x, target, *, group=None, wrap=None,
-         schedule_name="ScheduleInterleaved1F1B", microbatches=MICROBATCHES):
+         schedule_name="ScheduleInterleaved1F1B", microbatches=MICROBATCHES, cached=False):
     """One pipelined step; the stage modules this rank holds and its losses."""
     import torch.distributed.pipelining as pipelining
 
     layers, final = make_layers()
     n_stages = len(cuts) - 1
     mine = range(pp_rank, n_stages, pp_size)
+    cache = attnres.pipelining.StreamCache(cuts, pp_size) if cached else None
     modules = {i: attnres.pipelining.StreamStage(
         layers[cuts[i]:cuts[i + 1]], outputs_before=cuts[i], block_size=block_size,
-        head=final if cuts[i + 1] == SUBLAYERS else None) for i in mine}
+        head=final if cuts[i + 1] == SUBLAYERS else None, cache=cache) for i in mine}
     run = {i: wrap(m) if wrap else m for i, m in modules.items()}
-    stages = [pipelining.PipelineStage(run[i], i, n_stages, torch.device("cpu"), group=group)
-              for i in mine]
+    stage_class = attnres.pipelining.StreamPipelineStage if cached else pipelining.PipelineStage
+    stages = [stage_class(run[i], i, n_stages, torch.device("cpu"), group=group) for i in mine]
     schedule_class = getattr(pipelining, schedule_name)
     schedule = schedule_class(stages if len(stages) > 1 else stages[0], microbatches,
                               loss_fn=loss_fn, scale_grads=False)
@@ -103,6 +105,8 @@ def _worker(rank, world, port, case, out_path):
             for block_size in (None, 3):
                 _save(*_run(rank, world, CUTS_8, block_size, x, target),
                       f"{out_path}.{block_size}.{rank}")
+                _save(*_run(rank, world, CUTS_8, block_size, x, target, cached=True),
+                      f"{out_path}.cached.{block_size}.{rank}")
         elif case == "checkpoint-compile":
             def wrap(stage):
                 stage.layers = torch.nn.ModuleList(Checkpointed(l) for l in stage.layers)
@@ -165,6 +169,7 @@ def test_four_ranks_with_two_virtual_stages_each(tmp_path):
     mp.spawn(_worker, args=(4, free_port(), "interleaved-4x2", str(out_path)), nprocs=4)
     for block_size in (None, 3):
         _check(out_path, range(4), block_size, last_ranks=[3])
+        _check(f"{out_path}.cached", range(4), block_size, last_ranks=[3])
 
 
 @pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
