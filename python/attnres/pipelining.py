@@ -11,8 +11,10 @@ boundary (the number of outputs appended before it), which the model fixes::
     stage = attnres.pipelining.StreamStage(blocks[4:8], outputs_before=8, block_size=S)
     torch.distributed.pipelining.PipelineStage(stage, stage_index, num_stages, device)
 
-A boundary may fall inside a block. Tested with ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B.
+A boundary may fall inside a block. Tested with ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleInterleavedZeroBubble
+(tests/python/test_pipelining.py), and with checkpointed layers, compiled
+stages and FSDP2 within a stage (test_pipelining_stack.py).
 
 Cross-stage caching (interleaved schedules, Attention Residuals §4.1). With
 V virtual stages per rank (stage i on rank i % P, C = P * V stages) the same

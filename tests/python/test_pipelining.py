@@ -1,7 +1,8 @@
 """An AttnRes model split into torch.distributed.pipelining stages on 2 gloo
 ranks, with boundaries inside blocks (a stage starting with a partial block
-sum): ScheduleGPipe and Schedule1F1B over 2 stages, ScheduleInterleaved1F1B
-over 4 (2 per rank); Full and Block. The loss and every gradient equal the
+sum): ScheduleGPipe and Schedule1F1B over 2 stages, ScheduleInterleaved1F1B,
+ScheduleLoopedBFS and ScheduleInterleavedZeroBubble over 4 (2 per rank); Full
+and Block. The loss and every gradient equal the
 unsplit model's (float64). The stages are attnres.pipelining.StreamStage: the
 stream crosses a boundary as its tensors and is rebuilt with
 DepthStream.unflatten. With a StreamCache (cross-stage caching) the
@@ -23,7 +24,8 @@ BATCH, T, MICROBATCHES = 4, 6, 4
 # Stage boundaries (outputs before each stage's first read). With S = 3, 4
 # and 5 fall inside blocks; so does 2.
 CUTS = {2: [0, 4, SUBLAYERS], 4: [0, 2, 4, 5, SUBLAYERS]}
-SCHEDULES = {"ScheduleGPipe": 2, "Schedule1F1B": 2, "ScheduleInterleaved1F1B": 4}
+SCHEDULES = {"ScheduleGPipe": 2, "Schedule1F1B": 2, "ScheduleInterleaved1F1B": 4, "ScheduleLoopedBFS": 4,
+             "ScheduleInterleavedZeroBubble": 4}
 
 
 class Sublayer(torch.nn.Module):
