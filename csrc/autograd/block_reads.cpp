@@ -152,7 +152,7 @@ BlockReadsForward block_reads_fwd_autograd(at::TensorList sources, const at::Ten
   check_dense_optional(norm_weights, "norm_weights");
   check_dense_optional(out_weight, "out_weight");
   const bool record = records({&queries, ptr(norm_weights), ptr(out_weight)}, sources);
-  if (!record) {  // the kernel alone, as depth_attention_fwd does
+  if (kernel_alone(record, {&queries, ptr(norm_weights), ptr(out_weight)}, sources)) {
     return call_below_autograd<BlockReadsFwdOp>(sources, queries, norm_weights, eps, scale,
                                                 out_weight, out_eps, keep_h);
   }
@@ -199,7 +199,8 @@ MergeForward block_read_merge_fwd_autograd(const at::Tensor& partial_out, const 
   check_dense_optional(out_weight, "out_weight");
   const bool record =
       records({&partial_out, &lse, &block_sum, &query, ptr(norm_weight), ptr(out_weight)});
-  if (!record) {  // the kernel alone, as depth_attention_fwd does
+  if (kernel_alone(record, {&partial_out, &lse, &block_sum, &query, ptr(norm_weight),
+                           ptr(out_weight)})) {
     return call_below_autograd<MergeFwdOp>(partial_out, lse, block_sum, query, norm_weight, eps,
                                            scale, out_weight, out_eps, keep_h);
   }

@@ -99,7 +99,7 @@ DepthAttentionForward depth_attention_fwd_autograd(
   const bool record = records({&query, ptr(norm_weight), ptr(out_weight)}, sources);
   // Nothing to record (inference, decode): the kernel alone, without a
   // node to build and drop (a T = 1 read is host-bound).
-  if (!record) {
+  if (kernel_alone(record, {&query, ptr(norm_weight), ptr(out_weight)}, sources)) {
     return call_below_autograd<DepthAttentionFwdOp>(sources, query, norm_weight, eps, scale,
                                                     out_weight, out_eps, keep_h);
   }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
@@ -70,6 +71,27 @@ inline bool records(std::initializer_list<const at::Tensor*> inputs, at::TensorL
     if (t && t->defined() && t->requires_grad()) return true;
   }
   return false;
+}
+
+// Whether a forward op may run its kernel alone, without a Function node:
+// nothing records (`record`), no input carries a forward-mode tangent (dual
+// tensors) and no torch.func transform is active. Function::apply refuses
+// forward-mode AD; the kernel alone would silently drop the tangents.
+inline bool kernel_alone(bool record, std::initializer_list<const at::Tensor*> inputs,
+                         at::TensorList sources = {}) {
+  // A torch.func transform keeps its dynamic-layer keys included while active.
+  using c10::impl::tls_is_dispatch_key_included;
+  if (record || tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+      tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerBackMode)) {
+    return false;
+  }
+  for (const auto& s : sources) {
+    if (s._fw_grad(/*level=*/0).defined()) return false;
+  }
+  for (const at::Tensor* t : inputs) {
+    if (t && t->defined() && t->_fw_grad(/*level=*/0).defined()) return false;
+  }
+  return true;
 }
 
 // Before autograd reads an input's sizes (a nested tensor has none).

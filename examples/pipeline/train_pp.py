@@ -19,6 +19,7 @@ files, as bytes).
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import time
 
@@ -95,6 +96,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=64)
     args = parser.parse_args()
+    if args.stream_cache and (args.residual == "standard" or args.virtual_stages < 2):
+        parser.error("--stream-cache caches an AttnRes stream across a rank's stages: it needs "
+                     "--residual block or full and --virtual-stages >= 2")
+    if args.virtual_stages > 1 and "--schedule" in sys.argv:
+        parser.error("--schedule picks the one-stage-per-rank schedule; --virtual-stages > 1 runs "
+                     "ScheduleInterleaved1F1B")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     n_stages = world * args.virtual_stages
@@ -114,7 +121,7 @@ def main() -> None:
             print(f"unsplit model, first batch: loss {model(x, y)[1].item():.6f}", flush=True)
     per_stage = args.layers // n_stages
     cache = None
-    if args.stream_cache and args.residual != "standard" and args.virtual_stages > 1:
+    if args.stream_cache:
         boundaries = [2 * i * per_stage for i in range(n_stages + 1)]
         cache = attnres.pipelining.StreamCache(boundaries, num_ranks=world)
     modules = []

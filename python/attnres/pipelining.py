@@ -114,6 +114,12 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.record.tensors is None:  # the leaves' gradients were handed on already
+            raise RuntimeError(
+                "a cached StreamStage's output graph takes one backward per forward (its cached "
+                "sources' gradients are handed back once): retain_graph and a second backward "
+                "are not supported"
+            )
         return (None, None, *grads, *ctx.record.take_grads())
 
 

@@ -72,6 +72,36 @@ def test_weights_gradient_penalty_raises():
         gq.pow(2).sum().backward()
 
 
+
+def test_forward_mode_ad_raises_never_drops_the_tangent():
+    """Forward-mode AD (dual tensors, torch.func.jvp) is not implemented: each
+    forward op refuses it, also when nothing records a backward (no_grad, no
+    input requiring grad), where the op otherwise runs its kernel alone."""
+    import torch.autograd.forward_ad as fwAD
+
+    srcs, q, g = _problem(dtype=torch.float64)
+    ops = torch.ops.attnres
+    calls = {
+        "depth_attention": lambda qq, s0: attnres.depth_attention([s0, *srcs[1:]], qq, g),
+        "block_reads": lambda qq, s0: ops.block_reads_fwd([s0, *srcs[1:]], torch.stack([qq, q]), None,
+                                                          1e-6, 1.0)[0],
+        "block_read_merge": lambda qq, s0: ops.block_read_merge_fwd(
+            s0, torch.zeros(4, dtype=torch.float64), srcs[1], qq, g, 1e-6, 1.0)[0],
+    }
+    for name, call in calls.items():
+        for grad_mode in (True, False):
+            for dual_query in (True, False):
+                with fwAD.dual_level(), torch.set_grad_enabled(grad_mode):
+                    tangent = torch.randn_like(q if dual_query else srcs[0])
+                    qq = fwAD.make_dual(q, tangent) if dual_query else q
+                    s0 = srcs[0] if dual_query else fwAD.make_dual(srcs[0], tangent)
+                    with pytest.raises(RuntimeError):
+                        call(qq, s0)
+                        pytest.fail(f"{name}: a forward-mode tangent was dropped "
+                                    f"(grad mode {grad_mode}, dual {'query' if dual_query else 'source'})")
+        with pytest.raises(RuntimeError):
+            torch.func.jvp(lambda qq: call(qq, srcs[0]), (q,), (torch.randn_like(q),))
+
 # ---- 2. a meta tensor among CPU tensors: a clear ValueError in every position ---------------
 
 
