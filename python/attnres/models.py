@@ -31,6 +31,9 @@ class GPTConfig:
     mlp_ratio: int = 4
     residual: str = "standard"
     block_size: int = 2  # sublayers per block; used by residual="block" only
+    # The block size counted in layers (Kimi K3's attn_res_block_size): sets
+    # block_size = 2 * block_layers (two sublayers a layer).
+    block_layers: Optional[int] = None
     # How Block reads run: "auto" | "two_phase" | "one_call" (DepthStream,
     # docs/design.md §10).
     block_reads: str = "auto"
@@ -56,6 +59,15 @@ class GPTConfig:
             )
         if not (0.0 <= self.norm_eps < float("inf")):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if self.block_layers is not None:
+            if (self.residual != "block" or isinstance(self.block_layers, bool)
+                    or not isinstance(self.block_layers, int) or self.block_layers <= 0):
+                raise ValueError(f"block_layers must be a positive int, with residual='block'; got "
+                                 f"{self.block_layers!r} with residual={self.residual!r}")
+            if self.block_size not in (2, 2 * self.block_layers):  # 2: the default
+                raise ValueError(f"block_layers={self.block_layers} means block_size="
+                                 f"{2 * self.block_layers}, got block_size={self.block_size}")
+            self.block_size = 2 * self.block_layers
         if self.residual == "block" and (
             isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0
         ):
