@@ -40,9 +40,9 @@ class Sublayer(torch.nn.Module):
         return stream
 
 
-def make_layers(seed=0):
+def make_layers(seed=0, sublayers=SUBLAYERS):
     torch.manual_seed(seed)
-    layers = torch.nn.ModuleList(Sublayer() for _ in range(SUBLAYERS)).double()
+    layers = torch.nn.ModuleList(Sublayer() for _ in range(sublayers)).double()
     final = attnres.AttnResResidual(D, dtype=torch.float64)
     with torch.no_grad():
         for r in [*(l.res for l in layers), final]:
@@ -53,6 +53,21 @@ def make_layers(seed=0):
 
 def loss_fn(out, target):
     return (out - target).pow(2).sum()
+
+
+def unsplit_loss_and_grads(block_size, sublayers=SUBLAYERS):
+    """The unsplit model's loss on data() and its gradients, by the stages'
+    global names (layers.i..., final...)."""
+    layers, final = make_layers(sublayers=sublayers)
+    x, target = data()
+    stream = attnres.DepthStream(x, block_size=block_size)
+    for layer in layers:
+        stream = layer(stream)
+    loss = loss_fn(final(stream), target)
+    loss.backward()
+    grads = {f"layers.{n}": p.grad for n, p in layers.named_parameters()}
+    grads.update({f"final.{n}": p.grad for n, p in final.named_parameters()})
+    return loss.item(), grads
 
 
 def data():
@@ -158,16 +173,8 @@ def run_and_compare(schedule_name, block_size, tmp_path, cached=False):
              nprocs=2)
     ranks = [torch.load(f"{out_path}.{r}") for r in range(2)]
 
-    layers, final = make_layers()
-    x, target = data()
-    stream = attnres.DepthStream(x, block_size=block_size)
-    for layer in layers:
-        stream = layer(stream)
-    loss = loss_fn(final(stream), target)
-    loss.backward()
-    assert ranks[1]["loss"] == pytest.approx(loss.item(), rel=1e-12)
-    want = {f"layers.{n}": p.grad for n, p in layers.named_parameters()}
-    want.update({f"final.{n}": p.grad for n, p in final.named_parameters()})
+    loss, want = unsplit_loss_and_grads(block_size)
+    assert ranks[1]["loss"] == pytest.approx(loss, rel=1e-12)
     got = {**ranks[0]["grads"], **ranks[1]["grads"]}
     assert got.keys() == want.keys()
     for name in want:
@@ -273,16 +280,8 @@ def test_cached_stages_chained_by_hand(cuts, ranks, block_size):
     ranks, one rank with a stage more), in one process: the unsplit model's
     loss and gradients, and the expected tensors per hop."""
     total, grads, received = run_chained(cuts, ranks, block_size)
-    layers, final = make_layers()
-    x, target = data()
-    stream = attnres.DepthStream(x, block_size=block_size)
-    for layer in layers:
-        stream = layer(stream)
-    loss = loss_fn(final(stream), target)
-    loss.backward()
-    assert total == pytest.approx(loss.item(), rel=1e-12)
-    want = {f"layers.{k}": p.grad for k, p in layers.named_parameters()}
-    want.update({f"final.{k}": p.grad for k, p in final.named_parameters()})
+    loss, want = unsplit_loss_and_grads(block_size)
+    assert total == pytest.approx(loss, rel=1e-12)
     for name in want:
         torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"{name}\n{m}")

@@ -4,7 +4,6 @@ stages; also with cross-stage caching, a StreamCache per rank), activation
 checkpointing inside the stages with each stage's module compiled, and FSDP2
 sharding every stage over 2 data-parallel ranks (a 2 x 2 mesh). Loss and every
 gradient equal the unsplit model's (float64)."""
-import functools
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import torch.multiprocessing as mp
 import attnres
 
 from helpers import distributed_skip_reason, free_port
-from test_pipelining import D, MICROBATCHES, Sublayer, data, global_grads, loss_fn
+import test_pipelining
+from test_pipelining import MICROBATCHES, data, global_grads, loss_fn
 
 SKIP = distributed_skip_reason("torch.distributed.pipelining", "ScheduleInterleaved1F1B")
 SUBLAYERS = 11
@@ -36,26 +36,7 @@ class Checkpointed(torch.nn.Module):
 
 
 def make_layers(seed=0):
-    torch.manual_seed(seed)
-    layers = torch.nn.ModuleList(Sublayer() for _ in range(SUBLAYERS)).double()
-    final = attnres.AttnResResidual(D, dtype=torch.float64)
-    with torch.no_grad():
-        for r in [*(l.res for l in layers), final]:
-            r.query.normal_(0, 0.5)
-            r.norm_weight.uniform_(0.5, 1.5)
-    return layers, final
-
-
-def unsplit_grads(block_size, x, target):
-    layers, final = make_layers()
-    stream = attnres.DepthStream(x, block_size=block_size)
-    for layer in layers:
-        stream = layer(stream)
-    loss = loss_fn(final(stream), target)
-    loss.backward()
-    grads = {f"layers.{n}": p.grad for n, p in layers.named_parameters()}
-    grads.update({f"final.{n}": p.grad for n, p in final.named_parameters()})
-    return loss.item(), grads
+    return test_pipelining.make_layers(seed, sublayers=SUBLAYERS)
 
 
 def _run(pp_rank, pp_size, cuts, block_size, x, target, *, group=None, wrap=None,
@@ -150,8 +131,7 @@ def _worker(rank, world, port, case, out_path):
 
 def _check(out_path, ranks, block_size, last_ranks):
     got_ranks = [torch.load(f"{out_path}.{block_size}.{r}") for r in ranks]
-    x, target = data()
-    loss, want = unsplit_grads(block_size, x, target)
+    loss, want = test_pipelining.unsplit_loss_and_grads(block_size, SUBLAYERS)
     for r in last_ranks:
         assert got_ranks[r]["loss"] == pytest.approx(loss, rel=1e-12)
     got = {}
