@@ -185,20 +185,31 @@ BlockReadsForward run_block_reads_fwd(const BlockReadKernels& k, at::TensorList 
 
 namespace {
 
-// Phase 2's forward into `out` (a new tensor, or partial_out in place).
+// The fused prefix add's delta (docs/design.md §12): block_sum's shape,
+// dtype and device.
+void check_delta(const std::optional<at::Tensor>& delta, const at::Tensor& block_sum) {
+  if (delta.has_value()) check_like(*delta, "delta", block_sum, "block_sum's");
+}
+
+// Phase 2's forward into `out` (a new tensor, or partial_out in place);
+// with delta, P' = block_sum + delta into a new `sum` that the read uses.
 void merge_forward(const BlockReadKernels& k, const DepthProblem& p, const at::Tensor& partial_out,
                    const at::Tensor& lse, const at::Tensor& block_sum, const at::Tensor& query,
                    const std::optional<at::Tensor>& norm_weight, double eps, double scale,
-                   const OutNormOutputs& norm, at::Tensor& out, at::Tensor& rstd,
-                   at::Tensor& weight) {
+                   const OutNormOutputs& norm, const std::optional<at::Tensor>& delta,
+                   at::Tensor& out, at::Tensor& rstd, at::Tensor& weight, at::Tensor& sum) {
   const auto acc = acc_dtype_for(block_sum.scalar_type());
   rstd = at::empty(p.lead_shape, block_sum.options().dtype(acc));
   weight = at::empty(p.lead_shape, block_sum.options().dtype(acc));
+  sum = delta ? at::empty(block_sum.sizes(),
+                          block_sum.options().memory_format(at::MemoryFormat::Contiguous))
+              : at::empty({0}, block_sum.options());
   if (p.T == 0) return;
   const at::Tensor u = effective_query(query, norm_weight, scale, acc);
   const at::Tensor lse_c = lse.contiguous();
+  const PrefixAdd prefix{delta ? *delta : sum, sum};
   k.merge_forward({p.D, p.T, partial_out, lse_c, block_sum, u, eps, out, rstd, weight,
-                   norm.kernel()});
+                   norm.kernel(), delta ? &prefix : nullptr});
 }
 
 }  // namespace
@@ -208,35 +219,40 @@ MergeForward run_block_read_merge_fwd(const BlockReadKernels& k, const at::Tenso
                                       const at::Tensor& query,
                                       const std::optional<at::Tensor>& norm_weight, double eps,
                                       double scale, const std::optional<at::Tensor>& out_weight,
-                                      std::optional<double> out_eps, bool keep_h) {
+                                      std::optional<double> out_eps, bool keep_h,
+                                      const std::optional<at::Tensor>& delta) {
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   const double norm_eps = resolve_out_eps(out_eps, eps);
   if (is_defined(out_weight)) check_out_norm_args(*out_weight, norm_eps, {block_sum}, p);
+  check_delta(delta, block_sum);
   if (k.check_device) k.check_device();
   // The kernels run on the current device and its stream: the sources'.
   const c10::DeviceGuard guard(block_sum.device());
   const auto rows = block_sum.options().memory_format(at::MemoryFormat::Contiguous);
   OutNormOutputs norm(out_weight, norm_eps, keep_h, block_sum, p);
   at::Tensor out = detail::empty_cached(block_sum.sizes(), rows);
-  at::Tensor rstd, weight;
-  merge_forward(k, p, partial_out, lse, block_sum, query, norm_weight, eps, scale, norm, out, rstd,
-                weight);
-  return {out, rstd, weight, norm.h, norm.rstd};
+  at::Tensor rstd, weight, sum;
+  merge_forward(k, p, partial_out, lse, block_sum, query, norm_weight, eps, scale, norm, delta,
+                out, rstd, weight, sum);
+  return {out, rstd, weight, norm.h, norm.rstd, sum};
 }
 
-void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
-                                  const at::Tensor& lse, const at::Tensor& block_sum,
-                                  const at::Tensor& query,
-                                  const std::optional<at::Tensor>& norm_weight, double eps,
-                                  double scale, const std::optional<at::Tensor>& out_weight,
-                                  std::optional<double> out_eps) {
+at::Tensor run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
+                                        const at::Tensor& lse, const at::Tensor& block_sum,
+                                        const at::Tensor& query,
+                                        const std::optional<at::Tensor>& norm_weight, double eps,
+                                        double scale, const std::optional<at::Tensor>& out_weight,
+                                        std::optional<double> out_eps,
+                                        const std::optional<at::Tensor>& delta) {
   const DepthProblem p = check_merge_args(partial_out, lse, block_sum, query, norm_weight, eps, scale);
   const double norm_eps = resolve_out_eps(out_eps, eps);
   if (is_defined(out_weight)) check_out_norm_args(*out_weight, norm_eps, {block_sum}, p);
+  check_delta(delta, block_sum);
   check_merge_in_place(partial_out,
                        {{&block_sum, "block_sum"}, {&lse, "lse"}, {&query, "query"},
                         {norm_weight ? &*norm_weight : nullptr, "norm_weight"},
-                        {out_weight ? &*out_weight : nullptr, "out_weight"}});
+                        {out_weight ? &*out_weight : nullptr, "out_weight"},
+                        {delta ? &*delta : nullptr, "delta"}});
   if (k.check_device) k.check_device();
   // The kernels run on the current device and its stream: the sources'.
   const c10::DeviceGuard guard(block_sum.device());
@@ -245,9 +261,10 @@ void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& p
   // (and of h, written first) before it stores the read over them, so the
   // read may overwrite the partial output.
   at::Tensor out = partial_out;
-  at::Tensor rstd, weight;
-  merge_forward(k, p, partial_out, lse, block_sum, query, norm_weight, eps, scale, norm, out, rstd,
-                weight);
+  at::Tensor rstd, weight, sum;
+  merge_forward(k, p, partial_out, lse, block_sum, query, norm_weight, eps, scale, norm, delta,
+                out, rstd, weight, sum);
+  return sum;
 }
 
 BlockReadsBackward run_block_reads_bwd(
@@ -289,11 +306,14 @@ MergeBackward run_block_read_merge_bwd(
     const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
     const at::Tensor& weight, double scale, const c10::List<bool>& output_mask,
     const std::optional<at::Tensor>& out_weight, const std::optional<at::Tensor>& h,
-    const std::optional<at::Tensor>& out_rstd) {
+    const std::optional<at::Tensor>& out_rstd,
+    const std::optional<at::Tensor>& grad_block_sum_out) {
   TORCH_CHECK_VALUE(block_sum.defined(), "block_sum must be a tensor [..., D]");
   const DepthProblem p = check_forward_args({block_sum}, query, norm_weight, 0.0, scale);
   check_like(grad_out, "grad_out", block_sum, "block_sum's");
   check_like(partial_out, "partial_out", block_sum, "block_sum's");
+  const bool with_sum_grad = is_defined(grad_block_sum_out);
+  if (with_sum_grad) check_like(*grad_block_sum_out, "grad_block_sum_out", block_sum, "block_sum's");
   const bool normed = is_defined(out_weight);
   if (normed) check_out_norm_bwd_args(*out_weight, h, out_rstd, block_sum, "block_sum's", p);
   const auto acc = acc_dtype_for(block_sum.scalar_type());
@@ -313,7 +333,8 @@ MergeBackward run_block_read_merge_bwd(
     const at::Tensor u = effective_query(query, norm_weight, scale, acc);
     k.merge_backward({p.D, p.T, grad_out, partial_out, block_sum, u, rstd.contiguous(),
                       weight.contiguous(), d_partial, d_lse, d_block, z, norm.kernel(),
-                      normed ? &*h : nullptr});
+                      normed ? &*h : nullptr,
+                      with_sum_grad && d_block.defined() ? &*grad_block_sum_out : nullptr});
   }
   at::Tensor grad_query, grad_gain;
   if (z.defined()) std::tie(grad_query, grad_gain) = parameter_grads(z, query, norm_weight, scale);
@@ -347,9 +368,10 @@ MergeForward block_read_merge_fwd(const at::Tensor& partial_out, const at::Tenso
                                   const at::Tensor& block_sum, const at::Tensor& query,
                                   const std::optional<at::Tensor>& norm_weight, double eps,
                                   double scale, const std::optional<at::Tensor>& out_weight,
-                                  std::optional<double> out_eps, bool keep_h) {
+                                  std::optional<double> out_eps, bool keep_h,
+                                  const std::optional<at::Tensor>& delta) {
   return call_op<MergeFwdOp>(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                             out_weight, out_eps, keep_h);
+                             out_weight, out_eps, keep_h, delta);
 }
 
 MergeBackward block_read_merge_bwd(
@@ -357,18 +379,20 @@ MergeBackward block_read_merge_bwd(
     const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
     const at::Tensor& rstd, const at::Tensor& weight, double scale,
     const c10::List<bool>& output_mask, const std::optional<at::Tensor>& out_weight,
-    const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& out_rstd) {
+    const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& out_rstd,
+    const std::optional<at::Tensor>& grad_block_sum_out) {
   return call_op<MergeBwdOp>(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
-                             scale, output_mask, out_weight, h, out_rstd);
+                             scale, output_mask, out_weight, h, out_rstd, grad_block_sum_out);
 }
 
-void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
-                              const at::Tensor& block_sum, const at::Tensor& query,
-                              const std::optional<at::Tensor>& norm_weight, double eps,
-                              double scale, const std::optional<at::Tensor>& out_weight,
-                              std::optional<double> out_eps) {
-  call_op<MergeInplaceOp>(partial_out, lse, block_sum, query, norm_weight, eps, scale, out_weight,
-                          out_eps);
+at::Tensor block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                                    const at::Tensor& block_sum, const at::Tensor& query,
+                                    const std::optional<at::Tensor>& norm_weight, double eps,
+                                    double scale, const std::optional<at::Tensor>& out_weight,
+                                    std::optional<double> out_eps,
+                                    const std::optional<at::Tensor>& delta) {
+  return call_op<MergeInplaceOp>(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                                 out_weight, out_eps, delta);
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> block_reads(

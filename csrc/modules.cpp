@@ -113,7 +113,22 @@ DepthStream DepthStream::from_sources(at::Tensor embedding,
   return stream;
 }
 
+void DepthStream::settle() const {
+  if (!pending_.defined()) return;
+  if (at::GradMode::is_enabled() == pending_grad_ &&
+      c10::InferenceMode::is_enabled() == pending_inference_) {
+    partial_ = partial_ + pending_;
+  } else {
+    // InferenceMode(false) also turns grad mode on: set it after.
+    c10::InferenceMode inference(pending_inference_);
+    at::AutoGradMode grad(pending_grad_);
+    partial_ = partial_ + pending_;
+  }
+  pending_ = at::Tensor();
+}
+
 std::vector<at::Tensor> DepthStream::sources() const {
+  settle();
   std::vector<at::Tensor> out = completed_;
   if (partial_.defined()) out.push_back(partial_);
   return out;
@@ -130,7 +145,18 @@ void DepthStream::append(const at::Tensor& output) {
     completed_.push_back(std::move(f));
     return;
   }
-  partial_ = partial_.defined() ? partial_ + f : f;  // out of place: autograd sees each step
+  if (!partial_.defined()) {
+    partial_ = f;
+  } else if (!readers_.empty() && in_partial_ + 1 < *block_size_) {
+    // A later read of this block may add f in its merge (§12).
+    settle();
+    pending_ = std::move(f);
+    pending_grad_ = at::GradMode::is_enabled();
+    pending_inference_ = c10::InferenceMode::is_enabled();
+  } else {
+    settle();
+    partial_ = partial_ + f;  // out of place: autograd sees each step
+  }
   if (++in_partial_ == *block_size_) {
     completed_.push_back(partial_);
     partial_ = at::Tensor();
@@ -215,20 +241,34 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   // Phase 2 fuses the reader's output norm when it has one (§11). Out of
   // place when either side has a graph (under no_grad the result has none),
   // or for an inference tensor outside inference mode (it cannot be written).
+  // The last output joins the partial sum inside the merge (§12) when the
+  // read runs in the modes of its append; otherwise it is added first.
+  if (pending_.defined() && (pending_grad_ != grad ||
+                             pending_inference_ != c10::InferenceMode::is_enabled())) {
+    settle();
+  }
+  const std::optional<at::Tensor> delta =
+      pending_.defined() ? std::optional<at::Tensor>(std::move(pending_)) : std::nullopt;
+  pending_ = at::Tensor();
   const at::Tensor& y = it->second.partials[pos];
   if (grad || it->second.with_grad || (y.is_inference() && !c10::InferenceMode::is_enabled())) {
-    return block_read_merge(it->second.partials[pos], it->second.lse[pos], partial_, reader.query,
-                            gain, reader.options.eps(), 1.0, reader.out_weight_or_none(),
-                            reader.options.out_eps());
+    auto result = block_read_merge_fwd(it->second.partials[pos], it->second.lse[pos], partial_,
+                                       reader.query, gain, reader.options.eps(), 1.0,
+                                       reader.out_weight_or_none(), reader.options.out_eps(),
+                                       /*keep_h=*/false, delta);
+    if (delta) partial_ = std::get<5>(result);
+    return std::get<0>(result);
   }
   // Inference: h (y with an output norm) overwrites the partial output it
   // consumes (no new output allocated); a second read at this position
   // reads one-call.
   at::Tensor h = std::move(it->second.partials[pos]);
   it->second.partials[pos] = at::Tensor();
-  block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
-                           reader.options.eps(), 1.0, reader.out_weight_or_none(),
-                           reader.options.out_eps());
+  at::Tensor sum = block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
+                                            reader.options.eps(), 1.0,
+                                            reader.out_weight_or_none(), reader.options.out_eps(),
+                                            delta);
+  if (delta) partial_ = std::move(sum);
   return h;
 }
 

@@ -65,28 +65,34 @@ TORCH_LIBRARY(attnres, m) {
       "Tensor grad_out_weight)");
   // Phase 2: one reader's phase-1 state (partial_out, lse) merged exactly
   // with the partial block sum: out (h, or y), and the block sum's rstd and
-  // weight.
+  // weight. The second optional part, delta, fuses the prefix add
+  // (docs/design.md §12): the read's block sum is then P' = block_sum +
+  // delta, formed per token and returned as block_sum_out (empty without
+  // delta), so a sublayer's output is added and read in one pass.
   m.def(
       "block_read_merge_fwd(Tensor partial_out, Tensor lse, Tensor block_sum, Tensor query, "
       "Tensor? norm_weight, float eps, float scale, Tensor? out_weight=None, "
-      "float? out_eps=None, bool keep_h=False) -> (Tensor out, Tensor rstd, Tensor weight, "
-      "Tensor h, Tensor out_rstd)");
+      "float? out_eps=None, bool keep_h=False, Tensor? delta=None) -> (Tensor out, "
+      "Tensor rstd, Tensor weight, Tensor h, Tensor out_rstd, Tensor block_sum_out)");
   // output_mask: 5 flags (partial_out, lse, block_sum, query, norm_weight),
-  // 6 with out_weight.
+  // 6 with out_weight. With the prefix add block_sum is the forward's P'
+  // (block_sum_out) and grad_block_sum_out, P''s own gradient, is added to
+  // grad_block_sum (then the gradient of both block_sum and delta).
   m.def(
       "block_read_merge_bwd(Tensor grad_out, Tensor partial_out, Tensor block_sum, "
       "Tensor query, Tensor? norm_weight, Tensor rstd, Tensor weight, float scale, "
-      "bool[] output_mask, Tensor? out_weight=None, Tensor? h=None, Tensor? out_rstd=None) -> "
-      "(Tensor grad_partial_out, Tensor grad_lse, Tensor grad_block_sum, Tensor grad_query, "
-      "Tensor grad_norm_weight, Tensor grad_out_weight)");
+      "bool[] output_mask, Tensor? out_weight=None, Tensor? h=None, Tensor? out_rstd=None, "
+      "Tensor? grad_block_sum_out=None) -> (Tensor grad_partial_out, Tensor grad_lse, "
+      "Tensor grad_block_sum, Tensor grad_query, Tensor grad_norm_weight, "
+      "Tensor grad_out_weight)");
   // Phase 2 without autograd (inference): the read overwrites partial_out,
   // the reader's phase-1 output that this read consumes, so the read
-  // allocates no new output (docs/design.md §10). Raises when a gradient is
-  // wanted.
+  // allocates no new output (docs/design.md §10); with delta it returns P'
+  // (empty without). Raises when a gradient is wanted.
   m.def(
       "block_read_merge_inplace(Tensor(a!) partial_out, Tensor lse, Tensor block_sum, "
       "Tensor query, Tensor? norm_weight, float eps, float scale, Tensor? out_weight=None, "
-      "float? out_eps=None) -> ()");
+      "float? out_eps=None, Tensor? delta=None) -> Tensor block_sum_out");
 
   // The CPU gradient cache (attnres/gradient_cache.h): no tensor arguments,
   // one kernel for every device. Stats: [limit_bytes, cached_bytes,

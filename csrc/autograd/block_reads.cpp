@@ -93,50 +93,70 @@ class BlockReadsFunction : public torch::autograd::Function<BlockReadsFunction> 
 };
 
 // Phase 2, with or without the output norm (h kept as BlockReadsFunction
-// keeps h_0).
+// keeps h_0) and the prefix add (P' saved in place of the block sum; its
+// gradient reaches both the block sum and delta).
 class MergeFunction : public torch::autograd::Function<MergeFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& partial_out,
                                const at::Tensor& lse, const at::Tensor& block_sum,
                                const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
                                double eps, double scale, const std::optional<at::Tensor>& out_weight,
-                               std::optional<double> out_eps, bool keep_h, bool record) {
+                               std::optional<double> out_eps, bool keep_h,
+                               const std::optional<at::Tensor>& delta, bool record) {
     const bool normed = is_defined(out_weight);
-    auto [out, rstd, weight, h, out_rstd] = call_below_autograd<MergeFwdOp>(
+    auto [out, rstd, weight, h, out_rstd, sum] = call_below_autograd<MergeFwdOp>(
         partial_out, lse, block_sum, query, norm_weight, eps, scale, out_weight, out_eps,
-        keep_h || (normed && record));
-    ctx->save_for_backward({partial_out, block_sum, query, norm_weight.value_or(at::Tensor()),
-                            out_weight.value_or(at::Tensor()), h, rstd, weight, out_rstd});
+        keep_h || (normed && record), delta);
+    const bool prefix = is_defined(delta);
+    ctx->save_for_backward({partial_out, prefix ? sum : block_sum, query,
+                            norm_weight.value_or(at::Tensor()), out_weight.value_or(at::Tensor()),
+                            h, rstd, weight, out_rstd});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["has_gain"] = is_defined(norm_weight);
+    ctx->saved_data["prefix"] = prefix;
     const at::Tensor h_out = normed && !keep_h ? at::empty({0}, h.options()) : h;
     ctx->mark_non_differentiable({rstd, weight, h_out, out_rstd});
+    if (!prefix) ctx->mark_non_differentiable({sum});
     ctx->set_materialize_grads(false);
-    return {out, rstd, weight, h_out, out_rstd};
+    return {out, rstd, weight, h_out, out_rstd, sum};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const bool has_gain = ctx->saved_data["has_gain"].toBool();
+    const bool prefix = ctx->saved_data["prefix"].toBool();
     const bool normed = saved[4].defined();
     // needs_input_grad counts the tensor inputs given: partial_out, lse,
-    // block_sum, query, the gain (when given), out_weight (when given).
+    // block_sum, query, the gain (when given), out_weight (when given),
+    // delta (when given).
+    const size_t delta_input = 4 + (has_gain ? 1 : 0) + (normed ? 1 : 0);
+    const bool want_sum = ctx->needs_input_grad(2);
+    const bool want_delta = prefix && ctx->needs_input_grad(delta_input);
     c10::List<bool> mask;
     for (size_t i = 0; i < 4; ++i) mask.push_back(ctx->needs_input_grad(i));
+    mask.set(2, want_sum || want_delta);
     mask.push_back(has_gain && ctx->needs_input_grad(4));
     if (normed) mask.push_back(ctx->needs_input_grad(has_gain ? 5 : 4));
     // partial_out, lse, block_sum, query, norm_weight, eps, scale, out_weight,
-    // out_eps, keep_h, record
-    variable_list result(11);
-    if (!grads[0].defined()) return result;
+    // out_eps, keep_h, delta, record
+    variable_list result(12);
+    const at::Tensor& grad_sum = grads[5];  // P''s own gradient (prefix add)
+    if (!grads[0].defined()) {
+      // Only P' has a gradient: it is that of the block sum and of delta.
+      if (want_sum) result[2] = grad_sum;
+      if (want_delta) result[10] = grad_sum;
+      return result;
+    }
     const variable_list computed = expand_masked(
         BackwardNode<MergeBwdOp>::apply(grads[0], saved[0], saved[1], saved[2],
                                         defined_or_none(saved[3]), saved[6], saved[7],
                                         ctx->saved_data["scale"].toDouble(), mask,
                                         defined_or_none(saved[4]), defined_or_none(saved[5]),
-                                        defined_or_none(saved[8])),
+                                        defined_or_none(saved[8]), defined_or_none(grad_sum)),
         mask);
     for (size_t i = 0; i < 5; ++i) result[i] = computed[i];
+    if (!want_sum) result[2] = at::Tensor();
+    if (want_delta) result[10] = computed[2];
     if (normed) result[7] = computed[5];
     return result;
   }
@@ -189,7 +209,8 @@ MergeForward block_read_merge_fwd_autograd(const at::Tensor& partial_out, const 
                                            const std::optional<at::Tensor>& norm_weight,
                                            double eps, double scale,
                                            const std::optional<at::Tensor>& out_weight,
-                                           std::optional<double> out_eps, bool keep_h) {
+                                           std::optional<double> out_eps, bool keep_h,
+                                           const std::optional<at::Tensor>& delta) {
   for (const auto& [t, name] :
        {std::pair<const at::Tensor*, const char*>{&partial_out, "partial_out"}, {&lse, "lse"},
         {&block_sum, "block_sum"}, {&query, "query"}}) {
@@ -197,31 +218,37 @@ MergeForward block_read_merge_fwd_autograd(const at::Tensor& partial_out, const 
   }
   check_dense_optional(norm_weight, "norm_weight");
   check_dense_optional(out_weight, "out_weight");
-  const bool record =
-      records({&partial_out, &lse, &block_sum, &query, ptr(norm_weight), ptr(out_weight)});
+  check_dense_optional(delta, "delta");
+  const bool record = records(
+      {&partial_out, &lse, &block_sum, &query, ptr(norm_weight), ptr(out_weight), ptr(delta)});
   if (kernel_alone(record, {&partial_out, &lse, &block_sum, &query, ptr(norm_weight),
-                           ptr(out_weight)})) {
+                           ptr(out_weight), ptr(delta)})) {
     return call_below_autograd<MergeFwdOp>(partial_out, lse, block_sum, query, norm_weight, eps,
-                                           scale, out_weight, out_eps, keep_h);
+                                           scale, out_weight, out_eps, keep_h, delta);
   }
-  const variable_list out = MergeFunction::apply(partial_out, lse, block_sum, query, norm_weight,
-                                                 eps, scale, out_weight, out_eps, keep_h, record);
-  return {out[0], out[1], out[2], out[3], out[4]};
+  const variable_list out =
+      MergeFunction::apply(partial_out, lse, block_sum, query, norm_weight, eps, scale,
+                           out_weight, out_eps, keep_h, delta, record);
+  return {out[0], out[1], out[2], out[3], out[4], out[5]};
 }
 
-void block_read_merge_inplace_autograd(const at::Tensor& partial_out, const at::Tensor& lse,
-                                       const at::Tensor& block_sum, const at::Tensor& query,
-                                       const std::optional<at::Tensor>& norm_weight, double eps,
-                                       double scale, const std::optional<at::Tensor>& out_weight,
-                                       std::optional<double> out_eps) {
+at::Tensor block_read_merge_inplace_autograd(const at::Tensor& partial_out, const at::Tensor& lse,
+                                             const at::Tensor& block_sum, const at::Tensor& query,
+                                             const std::optional<at::Tensor>& norm_weight,
+                                             double eps, double scale,
+                                             const std::optional<at::Tensor>& out_weight,
+                                             std::optional<double> out_eps,
+                                             const std::optional<at::Tensor>& delta) {
   TORCH_CHECK(!records({&partial_out, &lse, &block_sum, &query, ptr(norm_weight),
-                        ptr(out_weight)}),
+                        ptr(out_weight), ptr(delta)}),
               "attnres::block_read_merge_inplace has no derivative (it overwrites the partial "
               "output its backward would need); use block_read_merge_fwd when gradients are "
               "wanted");
-  call_below_autograd<MergeInplaceOp>(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                                      out_weight, out_eps);
+  at::Tensor sum = call_below_autograd<MergeInplaceOp>(partial_out, lse, block_sum, query,
+                                                       norm_weight, eps, scale, out_weight,
+                                                       out_eps, delta);
   torch::autograd::increment_version(partial_out);
+  return sum;
 }
 
 MergeBackward block_read_merge_bwd_autograd(
@@ -229,12 +256,14 @@ MergeBackward block_read_merge_bwd_autograd(
     const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
     const at::Tensor& rstd, const at::Tensor& weight, double scale,
     const c10::List<bool>& output_mask, const std::optional<at::Tensor>& out_weight,
-    const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& out_rstd) {
+    const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& out_rstd,
+    const std::optional<at::Tensor>& grad_block_sum_out) {
   const bool normed = is_defined(out_weight);
   check_merge_mask(output_mask, normed);
   const variable_list all = expand_masked(
       BackwardNode<MergeBwdOp>::apply(grad_out, partial_out, block_sum, query, norm_weight, rstd,
-                                      weight, scale, output_mask, out_weight, h, out_rstd),
+                                      weight, scale, output_mask, out_weight, h, out_rstd,
+                                      grad_block_sum_out),
       output_mask);
   return {all[0], all[1], all[2], all[3], all[4], normed ? all[5] : at::Tensor()};
 }

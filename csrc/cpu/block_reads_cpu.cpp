@@ -584,6 +584,27 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
 
 // ---- phase 2 ----------------------------------------------------------------
 
+// dst = a + b elementwise, each sum rounded to scalar_t once from the
+// accumulation type, as torch.add rounds (the fused prefix add P' = P +
+// delta, and its gradient's dP + dP'); dst may be a.
+template <typename scalar_t>
+void row_add(scalar_t* dst, const scalar_t* a, const scalar_t* b, int64_t D) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec av[L::kParts], bv[L::kParts];
+    L::load(a + j, av);
+    L::load(b + j, bv);
+    for (int k = 0; k < L::kParts; ++k) av[k] = av[k] + bv[k];
+    L::store(dst + j, av);
+  }
+  for (; j < D; ++j) {
+    dst[j] = static_cast<scalar_t>(static_cast<acc_t>(a[j]) + static_cast<acc_t>(b[j]));
+  }
+}
+
 template <typename scalar_t>
 void merge_forward_impl(const MergeForwardCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -604,11 +625,19 @@ void merge_forward_impl(const MergeForwardCall& call) {
   const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
+  // The fused prefix add: the token's P' row formed first, then read from L1.
+  std::optional<RowsOf<scalar_t>> delta_rows;
+  if (call.prefix) delta_rows.emplace(call.prefix->delta);
+  scalar_t* sum_p = call.prefix ? call.prefix->sum.data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, T, parallel_grain(3 * D, 16), [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0), rescue_row;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const scalar_t* y = y_rows.row(t);
       const scalar_t* P = p_rows.row(t);
+      if (sum_p) {
+        row_add(sum_p + t * D, P, delta_rows->row(t), D);
+        P = sum_p + t * D;
+      }
       acc_t r, s;
       const bool rescued = row_stats_many(P, &u, 1, D, eps, r, &s);
       // The exact merge: phase 1's state (m, l) = (lse, 1), plus score s.
@@ -804,6 +833,9 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
   const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
+  // The prefix add's P' gradient, added to the token's dP row while in L1.
+  std::optional<RowsOf<scalar_t>> sum_grad_rows;
+  if (call.grad_sum && dP_p) sum_grad_rows.emplace(*call.grad_sum);
 
   // Each token reads dh, y and P.
   const int64_t grain = parallel_grain(chunks.size * 3 * D);
@@ -826,6 +858,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
           merge_token_grad(dh_rows.row(t), y_rows.row(t), p_rows.row(t), u, w_p[t], rstd_p[t], D,
                            dy, dlse, dP, z);
         }
+        if (sum_grad_rows) row_add(dP, static_cast<const scalar_t*>(dP), sum_grad_rows->row(t), D);
       }
     }
   });

@@ -30,14 +30,17 @@ __device__ __forceinline__ Pack<T, VEC> load_written(const T* p) {
 // Sums of one row over the warp: sums[r] = <u_{s0+r}, c v> for the readers
 // s0 + r < S (0 past S) and sums[R] = sum (c v)^2. c = 1 on the fast path,
 // the rescue factor on a rescued row (exact: a power of two).
+// `written`: v is a row this kernel wrote (the prefix add's P').
 template <int R, typename scalar_t, int VEC, typename acc_t>
 __device__ __forceinline__ void warp_row_sums(const scalar_t* v, const acc_t* u, int s0, int S,
-                                              int D, acc_t c, acc_t (&sums)[R + 1]) {
+                                              int D, acc_t c, acc_t (&sums)[R + 1],
+                                              bool written = false) {
   const int lane = static_cast<int>(threadIdx.x & 31);
 #pragma unroll
   for (int r = 0; r <= R; ++r) sums[r] = acc_t(0);
   for (int j = lane * VEC; j < D; j += 32 * VEC) {
-    const Pack<scalar_t, VEC> x = load_global<scalar_t, VEC>(v + j);
+    const Pack<scalar_t, VEC> x =
+        written ? load_written<scalar_t, VEC>(v + j) : load_global<scalar_t, VEC>(v + j);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const acc_t xv = static_cast<acc_t>(x.x[e]) * c;
@@ -284,8 +287,26 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     const scalar_t* y = p.partial + t * p.partial_stride;
     const scalar_t* P = p.block_sum + t * p.block_stride;
     scalar_t* out = p.out + t * D;
+    // The fused prefix add: P' = P + delta into sum_out (rounded as
+    // torch.add), then read from there: each lane re-reads only its packs.
+    const bool prefix = p.delta != nullptr;
+    if (prefix) {
+      const scalar_t* d = p.delta + t * p.delta_stride;
+      scalar_t* sum = p.sum_out + t * D;
+      for (int j = lane * VEC; j < D; j += 32 * VEC) {
+        const Pack<scalar_t, VEC> a = load_global<scalar_t, VEC>(P + j);
+        const Pack<scalar_t, VEC> b = load_global<scalar_t, VEC>(d + j);
+        Pack<scalar_t, VEC> o;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          o.x[e] = static_cast<scalar_t>(static_cast<acc_t>(a.x[e]) + static_cast<acc_t>(b.x[e]));
+        }
+        store_global<scalar_t, VEC>(sum + j, o);
+      }
+      P = sum;
+    }
     acc_t sums[2];
-    warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, acc_t(1), sums);
+    warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, acc_t(1), sums, prefix);
     const bool rescued = math::row_needs_rescale(sums[1], acc_t(0), p.eps) ||
                          math::row_needs_rescale(sums[1], sums[0], p.eps);
     acc_t r, s;
@@ -294,7 +315,7 @@ __global__ void __launch_bounds__(kBlockReadThreads)
       s = math::score(r, sums[0]);
     } else {
       const acc_t c = math::rescale_factor(sums[1]);
-      warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, c, sums);
+      warp_row_sums<1, scalar_t, VEC>(P, p.u, 0, 1, D, c, sums, prefix);
       math::rescaled_stats(sums[1], sums[0], c, D, p.eps, r, s);
     }
     math::OnlineSoftmax<acc_t> st;
@@ -312,7 +333,8 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     acc_t sq[1] = {acc_t(0)};
     for (int j = lane * VEC; j < D; j += 32 * VEC) {
       const Pack<scalar_t, VEC> yv = load_written<scalar_t, VEC>(y + j);
-      const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+      const Pack<scalar_t, VEC> pv =
+          prefix ? load_written<scalar_t, VEC>(P + j) : load_global<scalar_t, VEC>(P + j);
       Pack<scalar_t, VEC> o;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -418,6 +440,14 @@ __device__ __forceinline__ void merge_bwd_sweep(const MergeBackwardParams<scalar
       }
     }
     if (p.grad_partial) store_global<scalar_t, VEC>(p.grad_partial + t * D + j, dy);
+    if (p.grad_sum) {
+      // The prefix add: P''s own gradient joins dP (rounded as autograd's sum).
+      const Pack<scalar_t, VEC> gs = load_global<scalar_t, VEC>(p.grad_sum + t * p.grad_sum_stride + j);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        dP.x[e] = static_cast<scalar_t>(static_cast<acc_t>(dP.x[e]) + static_cast<acc_t>(gs.x[e]));
+      }
+    }
     if (p.grad_block) store_global<scalar_t, VEC>(p.grad_block + t * D + j, dP);
   }
 }

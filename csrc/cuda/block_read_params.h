@@ -65,6 +65,11 @@ struct MergeParams {
   const acc_t* norm_weight;  // [D], or null: no output norm
   acc_t* norm_rstd;          // [T]
   scalar_t* h_keep;          // [T, D], or null
+  // The fused prefix add (docs/design.md §12): block_sum holds P, the read
+  // takes P' = P + delta, written to sum_out [T, D] first. Null: none.
+  const scalar_t* delta;  // rows delta_stride apart
+  int64_t delta_stride;
+  scalar_t* sum_out;
   int64_t T;
   int D;
   acc_t eps, norm_eps;
@@ -91,6 +96,10 @@ struct MergeBackwardParams {
   scalar_t* grad_block;    // [T, D] contiguous, or null
   acc_t* z_rows;           // [warps, D]: sum over a warp's tokens of alpha P, or null
   acc_t* dw_rows;          // [warps, D]: sum of dy n (the fused norm), or null
+  // The prefix add's P' gradient, added to grad_block (rows grad_sum_stride
+  // apart), or null.
+  const scalar_t* grad_sum;
+  int64_t grad_sum_stride;
   int64_t T;
   int D;
 };
@@ -267,7 +276,8 @@ bool merge_backward_rows_aligned(const MergeBackwardParams<scalar_t>& p, int nat
          rows_aligned(p.block_sum, p.block_stride, p.T, natural, es) &&
          (!p.h || rows_aligned(p.h, p.h_stride, p.T, natural, es)) &&
          (!p.grad_partial || rows_aligned(p.grad_partial, p.D, p.T, natural, es)) &&
-         (!p.grad_block || rows_aligned(p.grad_block, p.D, p.T, natural, es));
+         (!p.grad_block || rows_aligned(p.grad_block, p.D, p.T, natural, es)) &&
+         (!p.grad_sum || rows_aligned(p.grad_sum, p.grad_sum_stride, p.T, natural, es));
 }
 
 // Whether phase 1's backward can take 16-byte packs: the sources, the
@@ -293,7 +303,9 @@ bool merge_rows_aligned(const MergeParams<scalar_t>& p, int natural) {
   return rows_aligned(p.partial, p.partial_stride, p.T, natural, es) &&
          rows_aligned(p.block_sum, p.block_stride, p.T, natural, es) &&
          rows_aligned(p.out, p.D, p.T, natural, es) &&
-         (!p.h_keep || rows_aligned(p.h_keep, p.D, p.T, natural, es));
+         (!p.h_keep || rows_aligned(p.h_keep, p.D, p.T, natural, es)) &&
+         (!p.delta || (rows_aligned(p.delta, p.delta_stride, p.T, natural, es) &&
+                       rows_aligned(p.sum_out, p.D, p.T, natural, es)));
 }
 
 }  // namespace cuda

@@ -113,6 +113,13 @@ void merge_forward(const MergeForwardCall& call) {
                               norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr,
                               static_cast<acc_t>(norm->eps));
         }
+        std::optional<Rows> delta;
+        if (call.prefix) {
+          delta.emplace(as_rows(call.prefix->delta));
+          p.delta = delta->tensor.const_data_ptr<scalar_t>();
+          p.delta_stride = delta->row_stride;
+          p.sum_out = call.prefix->sum.data_ptr<scalar_t>();
+        }
         const bool aligned = merge_rows_aligned(p, natural);
         const bool with_norm = norm != nullptr;
         if (block_read_vec(aligned, call.D, natural) == natural) {
@@ -203,6 +210,12 @@ void merge_backward(const MergeBackwardCall& call) {
         p.grad_lse = call.grad_lse.defined() ? call.grad_lse.data_ptr<double>() : nullptr;
         p.grad_block =
             call.grad_block_sum.defined() ? call.grad_block_sum.data_ptr<scalar_t>() : nullptr;
+        std::optional<Rows> grad_sum;
+        if (call.grad_sum && p.grad_block) {
+          grad_sum.emplace(as_rows(*call.grad_sum));
+          p.grad_sum = grad_sum->tensor.const_data_ptr<scalar_t>();
+          p.grad_sum_stride = grad_sum->row_stride;
+        }
         p.T = call.T;
         p.D = D;
         at::Tensor z_rows;

@@ -70,6 +70,11 @@ def _check_block_size(block_size) -> Optional[int]:
     return block_size
 
 
+def _modes() -> Tuple[bool, bool]:
+    """(grad mode, inference mode) now: a deferred add runs in its append's."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
 class DepthStream:
     """The sources that later sublayers read, for one forward pass.
 
@@ -133,6 +138,11 @@ class DepthStream:
         self.embedding = embedding
         self._completed: List[torch.Tensor] = [embedding]
         self._partial: Optional[torch.Tensor] = None
+        # An output not yet added to _partial, and the grad/inference modes
+        # of its append: the next read adds it in its merge (the fused
+        # prefix add, docs/design.md §12), anything else adds it first.
+        self._pending: Optional[torch.Tensor] = None
+        self._pending_mode: Tuple[bool, bool] = (False, False)
         self._in_partial = 0  # outputs summed into the current block so far
         self.num_outputs = 0  # sublayer outputs appended so far
 
@@ -220,6 +230,7 @@ class DepthStream:
     def sources(self) -> List[torch.Tensor]:
         """What the next read sees, in order: embedding, completed sources,
         then the partial sum (Block only, and only when it is non-empty)."""
+        self._settle()
         if self._partial is None:
             return list(self._completed)
         return [*self._completed, self._partial]
@@ -235,7 +246,16 @@ class DepthStream:
         if self.block_size is None:
             self._completed.append(f)
             return
-        self._partial = f if self._partial is None else self._partial + f
+        if self._partial is None:
+            self._partial = f
+        elif self.readers is not None and self._in_partial + 1 < self.block_size:
+            # A later read of this block may add f in its merge (§12).
+            self._settle()
+            self._pending = f
+            self._pending_mode = _modes()
+        else:
+            self._settle()
+            self._partial = self._partial + f
         self._in_partial += 1
         if self._in_partial == self.block_size:
             self._completed.append(self._partial)
@@ -250,6 +270,7 @@ class DepthStream:
         the sources the first run saw. The clone shares this stream's phase-1
         results (docs/design.md §10).
         """
+        self._settle()
         return DepthStream._build(self.embedding, list(self._completed), self._partial,
                                   self._in_partial, self.num_outputs, self.block_size,
                                   self.block_reads, self.readers, self._phase_one)
@@ -262,8 +283,29 @@ class DepthStream:
         stream.block_size, stream.block_reads, stream.readers = block_size, block_reads, readers
         stream._phase_one = phase_one
         stream.embedding, stream._completed, stream._partial = embedding, completed, partial
+        stream._pending, stream._pending_mode = None, (False, False)
         stream._in_partial, stream.num_outputs = in_partial, num_outputs
         return stream
+
+    def _settle(self) -> None:
+        """Adds a pending output to the partial sum, in the modes of its append."""
+        if self._pending is None:
+            return
+        if self._pending_mode == _modes():
+            self._partial = self._partial + self._pending
+        else:
+            grad, inference = self._pending_mode
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                self._partial = self._partial + self._pending
+        self._pending = None
+
+    def _take_pending(self) -> Optional[torch.Tensor]:
+        """The pending output for a merge to add (§12) when the read runs in
+        the modes of its append; otherwise it is added first, and None."""
+        if self._pending is not None and self._pending_mode != _modes():
+            self._settle()
+        delta, self._pending = self._pending, None
+        return delta
 
     def _two_phase(self, num_completed: int) -> bool:
         """Whether the reads of the current block use the two-phase ops."""
@@ -336,19 +378,26 @@ class DepthStream:
         # Phase 2 fuses the reader's output norm when it has one (§11).
         query, gain, out_weight = reader._read_params()
         partial = entry.partials[pos]
+        # The last output joins the partial sum inside the merge (§12).
+        delta = self._take_pending()
         if grad or entry.with_grad or _inference_tensor_outside_inference_mode(partial):
             # Out of place (under no_grad the result has no graph; an inference
             # tensor cannot be written outside inference mode).
-            return block_read_merge(
+            out = block_read_merge(
                 partial, entry.lse[pos], self._partial, query, gain,
-                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
-        # Inference: h (y with an output norm) overwrites the partial output
-        # it consumes (no new output allocated); a second read at this
-        # position reads one-call.
-        entry.partials[pos] = None
-        return block_read_merge_inplace(
-            partial, entry.lse[pos], self._partial, query, gain,
-            eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps)
+                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+        else:
+            # Inference: h (y with an output norm) overwrites the partial
+            # output it consumes (no new output allocated); a second read at
+            # this position reads one-call.
+            entry.partials[pos] = None
+            out = block_read_merge_inplace(
+                partial, entry.lse[pos], self._partial, query, gain,
+                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+        if delta is None:
+            return out
+        out, self._partial = out
+        return out
 
     def _checked_output(self, f, where: str = "append") -> torch.Tensor:
         if not isinstance(f, torch.Tensor):

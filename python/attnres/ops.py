@@ -265,18 +265,30 @@ def _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weigh
         _check_parameter(out_weight, "out_weight", block_sum, block_sum.shape[-1])
 
 
+def _prefix_sum_output(delta, block_sum) -> torch.Tensor:
+    """The fused prefix add's P' output (csrc/block_reads.cpp check_delta):
+    block_sum's rows, or an empty tensor without delta."""
+    if delta is None:
+        return block_sum.new_empty((0,))
+    _expect(delta, "delta", block_sum.shape, block_sum.dtype, block_sum.device, "block_sum's")
+    return _empty_like_rows(block_sum)
+
+
 @torch.library.register_fake("attnres::block_read_merge_fwd")
 def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                               out_weight=None, out_eps=None, keep_h=False):
+                               out_weight=None, out_eps=None, keep_h=False, delta=None):
     _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
+    sum_out = _prefix_sum_output(delta, block_sum)
     lead, acc = block_sum.shape[:-1], _acc_dtype(block_sum.dtype)
     return (_empty_like_rows(block_sum), block_sum.new_empty(lead, dtype=acc),
-            block_sum.new_empty(lead, dtype=acc), *_out_norm_outputs(out_weight, keep_h, block_sum))
+            block_sum.new_empty(lead, dtype=acc), *_out_norm_outputs(out_weight, keep_h, block_sum),
+            sum_out)
 
 
 @torch.library.register_fake("attnres::block_read_merge_bwd")
 def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_weight, rstd, weight,
-                               scale, output_mask, out_weight=None, h=None, out_rstd=None):
+                               scale, output_mask, out_weight=None, h=None, out_rstd=None,
+                               grad_block_sum_out=None):
     # csrc/block_reads.cpp run_block_read_merge_bwd's order.
     if not isinstance(block_sum, torch.Tensor):
         raise ValueError("block_sum must be a tensor [..., D]")
@@ -284,6 +296,8 @@ def _block_read_merge_bwd_fake(grad_out, partial_out, block_sum, query, norm_wei
     rows = (block_sum.shape, block_sum.dtype, block_sum.device, "block_sum's")
     _expect(grad_out, "grad_out", *rows)
     _expect(partial_out, "partial_out", *rows)
+    if grad_block_sum_out is not None:
+        _expect(grad_block_sum_out, "grad_block_sum_out", *rows)
     if out_weight is not None:
         _check_out_norm_bwd(out_weight, h, out_rstd, block_sum, "block_sum's")
     lead, acc = block_sum.shape[:-1], _acc_dtype(block_sum.dtype)
@@ -314,16 +328,17 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @torch.library.register_fake("attnres::block_read_merge_inplace")
 def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
-                                   out_weight=None, out_eps=None):
+                                   out_weight=None, out_eps=None, delta=None):
     # The memory checks too (csrc/block_reads.cpp check_merge_in_place): a
     # functionalized trace runs the op on a copy of partial_out, where an
     # input that overlaps it would no longer be seen.
     _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
+    sum_out = _prefix_sum_output(delta, block_sum)
     if not partial_out.is_contiguous():
         raise ValueError("partial_out must be contiguous for block_read_merge_inplace (the read is "
                          "written into it)")
     for name, t in (("block_sum", block_sum), ("lse", lse), ("query", query),
-                    ("norm_weight", norm_weight), ("out_weight", out_weight)):
+                    ("norm_weight", norm_weight), ("out_weight", out_weight), ("delta", delta)):
         if t is None:
             continue
         if t is partial_out:
@@ -333,7 +348,7 @@ def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weig
                 f"{name} shares memory with partial_out (some of their elements refer to a single "
                 f"memory location), which block_read_merge_inplace overwrites while it reads "
                 f"{name}: pass a tensor apart from it")
-    return None
+    return sum_out
 
 
 # ---- the functional API ---------------------------------------------------------
@@ -387,10 +402,13 @@ def _merge_inplace_vmap(info, in_dims, partial_out, *rest):
     if in_dims[0] is None:
         raise ValueError("block_read_merge_inplace under vmap: partial_out must be batched "
                          "(each batch element's read is written into it)")
-    for b in range(info.batch_size):
-        torch.ops.attnres.block_read_merge_inplace(
-            partial_out.select(in_dims[0], b), *(_slice(a, d, b) for a, d in zip(rest, in_dims[1:])))
-    return None, None
+    sums = [torch.ops.attnres.block_read_merge_inplace(
+                partial_out.select(in_dims[0], b),
+                *(_slice(a, d, b) for a, d in zip(rest, in_dims[1:])))
+            for b in range(info.batch_size)]
+    if sums[0].numel() == 0:  # no delta: the empty P'
+        return sums[0], None
+    return torch.stack(sums), 0
 
 
 torch.library.register_vmap("attnres::depth_attention_fwd", _depth_attention_fwd_vmap)
@@ -486,17 +504,21 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
                              block_sum: torch.Tensor, query: torch.Tensor,
                              norm_weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
                              scale: float = 1.0, out_weight: Optional[torch.Tensor] = None,
-                             out_eps: Optional[float] = None) -> torch.Tensor:
+                             out_eps: Optional[float] = None,
+                             delta: Optional[torch.Tensor] = None):
     """Phase 2 without autograd (inference, docs/design.md §10): h is written
     into ``partial_out`` (contiguous; the phase-1 output this read consumes)
     and returned, so the read allocates no new output. With ``out_weight``
     it is ``RMSNorm(h) * out_weight`` (eps ``out_eps``, which is ``eps``
-    unless given; fused, §11) that is written. No input may share memory
-    with ``partial_out``. Raises when a gradient is wanted. CPU and CUDA."""
-    torch.ops.attnres.block_read_merge_inplace(
+    unless given; fused, §11) that is written. With ``delta`` (the fused
+    prefix add, §12) the read's block sum is ``block_sum + delta``, formed
+    in the read, and ``(partial_out, block_sum + delta)`` is returned. No
+    input may share memory with ``partial_out``. Raises when a gradient is
+    wanted. CPU and CUDA."""
+    new_sum = torch.ops.attnres.block_read_merge_inplace(
         partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
-        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"))
-    return partial_out
+        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), delta)
+    return partial_out if delta is None else (partial_out, new_sum)
 
 
 def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
@@ -526,20 +548,23 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
                      query: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, *,
                      eps: float = 1e-6, scale: float = 1.0,
                      out_weight: Optional[torch.Tensor] = None,
-                     out_eps: Optional[float] = None) -> torch.Tensor:
+                     out_eps: Optional[float] = None, delta: Optional[torch.Tensor] = None):
     """Phase 2 (docs/design.md §10): one reader's h from its phase-1
     ``partial_out`` and ``lse`` and the partial ``block_sum``; equal to
     :func:`depth_attention` over the completed sources and ``block_sum``.
     With ``out_weight`` it returns ``RMSNorm(h) * out_weight`` (eps
     ``out_eps``, which is ``eps`` unless given), the norm fused into the
     merge (§11), as :func:`depth_attention` does with ``out_weight``.
-    Differentiable on CPU and CUDA."""
+    With ``delta`` (the fused prefix add, §12) the read's block sum is
+    ``block_sum + delta`` (rounded as ``torch.add``), formed in the read,
+    and ``(out, block_sum + delta)`` is returned; its gradient reaches
+    ``block_sum`` and ``delta``. Differentiable on CPU and CUDA."""
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
-    out, _rstd, _weight, _h, _out_rstd = torch.ops.attnres.block_read_merge_fwd(
+    out, _rstd, _weight, _h, _out_rstd, new_sum = torch.ops.attnres.block_read_merge_fwd(
         partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
-        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"))
-    return out
+        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), False, delta)
+    return out if delta is None else (out, new_sum)
 
 
 # --------------------------------------------------------------------------- CPU gradient cache

@@ -738,6 +738,60 @@ TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
       "block_read_merge_inplace has no derivative");
 }
 
+// The fused prefix add (docs/design.md §12): the merge with delta is
+// torch.add then the plain merge, bit for bit, forward and gradients, and
+// the stream's deferred add is settled by anything that reads its sources.
+TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenMergeBitForBit) {
+  at::manual_seed(21);
+  const Tensors completed = leaves(3, {4, 6, kD});
+  const at::Tensor queries = at::randn({2, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor gains = (at::rand({2, kD}, at::kDouble) + 0.5).requires_grad_(true);
+  const at::Tensor P = at::randn({4, 6, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor delta = at::randn({4, 6, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor w_out = at::randn({4, 6, kD}, at::kDouble);
+  const at::Tensor w_sum = at::randn({4, 6, kD}, at::kDouble);
+  Tensors inputs = completed;
+  for (const auto& t : {queries, gains, P, delta}) inputs.push_back(t);
+  auto run = [&](bool fused) {
+    auto [partials, lse] = attnres::block_reads(completed, queries, gains);
+    at::Tensor out, P_next;
+    if (fused) {
+      auto result = attnres::block_read_merge_fwd(partials[1], lse[1], P, queries[1], gains[1],
+                                                  1e-6, 1.0, std::nullopt, std::nullopt, false,
+                                                  delta);
+      out = std::get<0>(result);
+      P_next = std::get<5>(result);
+    } else {
+      P_next = P + delta;
+      out = attnres::block_read_merge(partials[1], lse[1], P_next, queries[1], gains[1]);
+    }
+    Tensors result = torch::autograd::grad({(out * w_out).sum() + (P_next * w_sum).sum()}, inputs);
+    result.insert(result.begin(), {out, P_next});
+    return result;
+  };
+  const Tensors got = run(true), want = run(false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_GT(want[i].count_nonzero().item<int64_t>(), 0) << i;
+    EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  }
+  // The stream defers f2 into the next read; sources() and a copy see it.
+  std::vector<attnres::AttnResResidual> readers;
+  for (int i = 0; i < 3; ++i) {
+    readers.emplace_back(attnres::AttnResResidualOptions(kD).dtype(at::kDouble));
+  }
+  attnres::DepthStream stream(at::randn({2, kD}, at::kDouble), 4, attnres::BlockReads::kTwoPhase,
+                              readers);
+  const at::Tensor f1 = at::randn({2, kD}, at::kDouble), f2 = at::randn({2, kD}, at::kDouble);
+  readers[0](stream);
+  stream.append(f1);
+  readers[1](stream);
+  stream.append(f2);
+  const attnres::DepthStream copy = stream;
+  EXPECT_TRUE(at::equal(stream.sources().back(), f1 + f2));
+  EXPECT_TRUE(at::equal(copy.sources().back(), f1 + f2));
+  EXPECT_EQ(stream.num_sources(), 2);
+}
+
 // kAuto reads two-phase from the third completed source on, the reads
 // autograd records too (fp64 here); a bf16 stream keeps those one-call (its
 // merge backward would take <dh, P - y> from a partial output rounded to

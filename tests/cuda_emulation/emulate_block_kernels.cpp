@@ -314,6 +314,68 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
       }
     }
   }
+  // The fused prefix add (§12): block sum P0 and delta (the sources' strides
+  // and offset), out of place and in place. The kernel's P' must be the
+  // sum rounded once from the accumulation type (as torch.add), and the
+  // read bit for bit the plain merge of that P'.
+  // Pp: P' in the sources' layout (the plain run takes the same packs), Pc
+  // contiguous (the kernel's P' output).
+  std::vector<scalar_t> P0(src_len), delta(src_len), Pp(src_len), Pc(T * D);
+  for (auto& x : P0) x = static_cast<scalar_t>(draw(N));
+  for (auto& x : delta) x = static_cast<scalar_t>(draw(N + 1));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int j = 0; j < D; ++j) {
+      const int64_t k = offset + t * stride + j;
+      Pp[k] = static_cast<scalar_t>(static_cast<acc_t>(P0[k]) + static_cast<acc_t>(delta[k]));
+      Pc[t * D + j] = Pp[k];
+    }
+  }
+  for (const bool in_place : {false, true}) {
+    if (in_place && c.norm && c.keep_h) continue;
+    struct Run {
+      std::vector<scalar_t> partial, out, h, sum;
+      std::vector<acc_t> r, take, nr;
+    };
+    auto merge_run = [&](bool fused) {
+      Run run{outs[reader], std::vector<scalar_t>(T * D, static_cast<scalar_t>(NAN)),
+              std::vector<scalar_t>(c.norm && c.keep_h ? T * D : 0, static_cast<scalar_t>(NAN)),
+              std::vector<scalar_t>(fused ? T * D : 0, static_cast<scalar_t>(NAN)),
+              std::vector<acc_t>(T), std::vector<acc_t>(T), std::vector<acc_t>(T, static_cast<acc_t>(NAN))};
+      scalar_t* out_p = in_place ? run.partial.data() : run.out.data();
+      MergeParams<scalar_t> p = merge_params<scalar_t>(
+          run.partial.data(), D, (fused ? P0 : Pp).data() + offset, stride,
+          lse.data() + reader * T, u.data() + static_cast<size_t>(reader) * D, out_p, run.r.data(),
+          run.take.data(), T, D, static_cast<acc_t>(c.eps));
+      if (fused) {
+        p.delta = delta.data() + offset;
+        p.delta_stride = stride;
+        p.sum_out = run.sum.data();
+      }
+      if (c.norm) {
+        set_block_read_norm(p, w_out.data(), run.nr.data(), run.h.empty() ? nullptr : run.h.data(),
+                            static_cast<acc_t>(kOutEps));
+      }
+      const int vec = block_read_vec(merge_rows_aligned(p, natural), D, natural);
+      emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+        if (vec == natural) {
+          c.norm ? block_read_merge_kernel<scalar_t, natural, true>(p)
+                 : block_read_merge_kernel<scalar_t, natural, false>(p);
+        } else {
+          c.norm ? block_read_merge_kernel<scalar_t, 1, true>(p)
+                 : block_read_merge_kernel<scalar_t, 1, false>(p);
+        }
+      });
+      if (in_place) run.out = run.partial;
+      return run;
+    };
+    const Run plain = merge_run(false), fused = merge_run(true);
+    char what[240];
+    std::snprintf(what, sizeof what, "%s merge%s + prefix add", buf, in_place ? " in place" : "");
+    const bool ok = same_bits(fused.sum, Pc) && same_bits(fused.out, plain.out) &&
+                    same_bits(fused.r, plain.r) && same_bits(fused.take, plain.take) &&
+                    same_bits(fused.h, plain.h) && (!c.norm || same_bits(fused.nr, plain.nr));
+    chk.check(what, "P' and the read bit for bit the plain merge of P'", ok ? 0.0 : INFINITY, 0);
+  }
 }
 
 // Phase 2 at the dtype's maximum: y = P = +-max (alternating columns), u = 0
@@ -515,6 +577,43 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
                 [&] { sum_partial_rows_kernel<acc_t>(partial.data(), rows, D, out.data()); });
     return out;
   };
+  // The fused prefix add's backward (§12): P''s own gradient (rows of the
+  // case's stride) added to dP, rounded once as autograd's sum of the two;
+  // every other output bit for bit the plain run's.
+  bool prefix_ok = true;
+  if (c.want_dp_dlse) {
+    const std::vector<scalar_t> gs = rows_of(1.0, false);
+    std::vector<scalar_t> dy2(dy.size(), static_cast<scalar_t>(NAN)), dP2(dP.size(), static_cast<scalar_t>(NAN));
+    std::vector<double> dlse2(dlse.size(), NAN);
+    std::vector<acc_t> z2(z_rows.size(), nan), dw2(dw_rows.size(), nan);
+    MergeBackwardParams<scalar_t> q = p;
+    q.grad_partial = dy2.empty() ? nullptr : dy2.data();
+    q.grad_lse = dlse2.data();
+    q.grad_block = dP2.data();
+    q.z_rows = z2.empty() ? nullptr : z2.data();
+    q.dw_rows = dw2.empty() ? nullptr : dw2.data();
+    q.grad_sum = gs.data() + offset;
+    q.grad_sum_stride = stride;
+    const int vec2 = block_read_vec(merge_backward_rows_aligned(q, natural), D, natural);
+    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+      if (vec2 == natural) {
+        c.norm ? block_read_merge_bwd_kernel<scalar_t, natural, true>(q)
+               : block_read_merge_bwd_kernel<scalar_t, natural, false>(q);
+      } else {
+        c.norm ? block_read_merge_bwd_kernel<scalar_t, 1, true>(q)
+               : block_read_merge_bwd_kernel<scalar_t, 1, false>(q);
+      }
+    });
+    std::vector<scalar_t> want(dP.size());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int j = 0; j < D; ++j) {
+        want[t * D + j] = static_cast<scalar_t>(static_cast<acc_t>(dP[t * D + j]) +
+                                                static_cast<acc_t>(gs[offset + t * stride + j]));
+      }
+    }
+    prefix_ok = vec2 == vec && same_bits(dP2, want) && same_bits(dy2, dy) &&
+                same_bits(dlse2, dlse) && same_bits(z2, z_rows) && same_bits(dw2, dw_rows);
+  }
   char what[200];
   std::snprintf(what, sizeof what, "%s merge backward D=%d T=%ld grid=%ld vec=%d%s%s%s%s%s",
                 dtype_name<scalar_t>(), D, long(T), long(grid), vec, c.norm ? " norm" : "",
@@ -537,6 +636,7 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
   if (c.norm) {
     chk.check(what, "dw", rel_err(as_double(row_sums(dw_rows)), to_double(ref_dw)), chk.tol.grad);
   }
+  chk.check(what, "prefix add: dP + dP' and the rest bit for bit", prefix_ok ? 0.0 : INFINITY, 0);
 }
 
 // ---- phase 1's backward (block_reads_bwd_kernel) --------------------------------

@@ -804,8 +804,17 @@ Case range_case(int N, int64_t T, int D, std::vector<double> magnitude, double e
 }
 
 int main(int argc, char** argv) {
-  // argv[1], when given, keeps only the cases of one dtype.
-  const std::string only = argc > 1 ? argv[1] : "";
+  // argv[1], when given and not "all", keeps only the cases of one dtype;
+  // argv[2] = "k/n" keeps every n-th case from the k-th (make sanitize runs
+  // complementary halves of two dtypes side by side).
+  const std::string only = argc > 1 && std::string(argv[1]) != "all" ? argv[1] : "";
+  int shard = 0, shards = 1;
+  if (argc > 2 && (std::sscanf(argv[2], "%d/%d", &shard, &shards) != 2 || shards < 1 ||
+                   shard < 0 || shard >= shards)) {
+    std::fprintf(stderr, "usage: %s [dtype|all] [k/n]\n", argv[0]);
+    return 2;
+  }
+  int64_t case_index = 0;
   std::mt19937_64 rng(12345);
   int failures = 0;
   // The backward grid's waves (host planning, plan.h): 4 waves while the
@@ -983,7 +992,10 @@ int main(int argc, char** argv) {
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
     if (!only.empty() && only != dtype_name<scalar_t>()) return;
-    for (const auto& c : cases) failures += run_case<scalar_t>(c, rng) ? 0 : 1;
+    for (const auto& c : cases) {
+      if (case_index++ % shards != shard) continue;
+      failures += run_case<scalar_t>(c, rng) ? 0 : 1;
+    }
   };
   // The group classes: every (tile, class) kernel the plans can choose, and
   // only those, is compiled; each runs here, plain and normed, against

@@ -74,7 +74,7 @@ def test_forward_matches_float64_reference(dtype, n, s, lead, d):
         scores = torch.stack([ref_rstd[i] * (sources[i].double() @ q) for i in range(n)])
         assert_rel_close(lse[r], torch.logsumexp(scores, 0), STAT_REL_TOL[dtype], "lse")
         # Phase 2 with the partial block sum: the one-call read over n + 1.
-        h, rstd_p, a_p, h_kept, out_rstd_p = torch.ops.attnres.block_read_merge_fwd(
+        h, rstd_p, a_p, h_kept, out_rstd_p, _ = torch.ops.attnres.block_read_merge_fwd(
             partial_outs[r], lse[r], block_sum, queries[r], gain, 1e-6, 1.0)
         assert h_kept.shape == (0,) and out_rstd_p.shape == (0,)
         h_ref, w_ref = ref_read([*sources, block_sum], queries[r], gain)
@@ -167,7 +167,7 @@ def test_opcheck(dtype, with_gain):
     gain = None if gains is None else gains[1]
     merge_args = (partial_outs[1], lse[1], block_sum, queries[1], gain, 1e-6, 0.5)
     opcheck(torch.ops.attnres.block_read_merge_fwd.default, merge_args)
-    h, rstd_p, a_p, _, _ = torch.ops.attnres.block_read_merge_fwd(*merge_args)
+    h, rstd_p, a_p, _, _, _ = torch.ops.attnres.block_read_merge_fwd(*merge_args)
     opcheck(torch.ops.attnres.block_read_merge_bwd.default,
             (torch.randn_like(h), partial_outs[1], block_sum, queries[1], gain, rstd_p, a_p, 0.5,
              [True] * 5))

@@ -163,7 +163,7 @@ def _valid():
     ns.dh = torch.randn(T, D, generator=gen, **f32)
     parts, lse, r1, a1, _, _ = torch.ops.attnres.block_reads_fwd(ns.src, ns.qs, None, 1e-6, 1.0)
     ns.parts, ns.lse, ns.r1, ns.a1 = parts, lse, r1, a1
-    _, ns.rm, ns.am, _, _ = torch.ops.attnres.block_read_merge_fwd(
+    _, ns.rm, ns.am, _, _, _ = torch.ops.attnres.block_read_merge_fwd(
         parts[1], lse[1], ns.src[0], ns.qs[1], None, 1e-6, 1.0)
     return ns
 
@@ -270,6 +270,20 @@ BAD_INPUTS = {
     "merge in place: lse views the output": lambda v: _lse_viewing_the_output(v),
     "merge in place: strided output": lambda v: (ops.block_read_merge_inplace, (
         v.parts[1].t().contiguous().t(), v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0)),
+    # the fused prefix add (delta, and its P' output's gradient)
+    "merge: delta shape": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, None, None, False, v.src[1][:2])),
+    "merge: delta dtype": lambda v: (ops.block_read_merge_fwd, (
+        v.parts[1], v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, None, None, False,
+        v.src[1].double())),
+    "merge bwd: grad_block_sum_out shape": lambda v: (ops.block_read_merge_bwd, (
+        v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 5, None, None, None,
+        v.dh[:2])),
+    "merge in place: delta is the output": lambda v: (ops.block_read_merge_inplace, (
+        v.parts[1], v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, None, None, v.parts[1])),
+    "merge in place: delta dtype": lambda v: (ops.block_read_merge_inplace, (
+        v.parts[1].clone(), v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, None, None,
+        v.src[1].half())),
 }
 # The checks of numbers (eps, scale, out_eps) are the real op's: a trace
 # accepts them, the traced program raises them when it runs

@@ -578,9 +578,9 @@ def test_merge_normed_h_is_the_plain_merge_and_inplace_equals_it(dtype):
     into partial_out; it refuses gradients."""
     gen = torch.Generator().manual_seed(13)
     y0, lse, P, q, g, w = merge_inputs(3, (4, 3), 67, dtype, gen)
-    y, rstd, weight, h, out_rstd = torch.ops.attnres.block_read_merge_fwd(
+    y, rstd, weight, h, out_rstd, _ = torch.ops.attnres.block_read_merge_fwd(
         y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, True)
-    h_plain, rstd_plain, weight_plain, h_empty, out_rstd_empty = (
+    h_plain, rstd_plain, weight_plain, h_empty, out_rstd_empty, _ = (
         torch.ops.attnres.block_read_merge_fwd(y0, lse, P, q, g, 1e-6, 1.0))
     assert torch.equal(h, h_plain) and torch.equal(rstd, rstd_plain)
     assert torch.equal(weight, weight_plain)
@@ -588,7 +588,7 @@ def test_merge_normed_h_is_the_plain_merge_and_inplace_equals_it(dtype):
     # Without out_weight the norm's statistics are empty tensors.
     assert h_empty.shape == (0,) and h_empty.dtype == dtype
     assert out_rstd_empty.shape == (0,) and out_rstd_empty.dtype == rstd.dtype
-    y_none, _, _, h_none, _ = torch.ops.attnres.block_read_merge_fwd(
+    y_none, _, _, h_none, _, _ = torch.ops.attnres.block_read_merge_fwd(
         y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, False)
     assert h_none.numel() == 0 and torch.equal(y_none, y)
     target = y0.clone()
@@ -645,7 +645,7 @@ def test_merge_normed_opcheck_and_mask():
                               (*leaves[:5], 1e-6, 1.0, leaves[5], 1e-5, keep_h))
     torch.library.opcheck(torch.ops.attnres.block_read_merge_inplace,
                           (y0.clone(), lse, P, q, g, 1e-6, 1.0, w, 1e-5))
-    y, rstd, weight, h, out_rstd = torch.ops.attnres.block_read_merge_fwd(
+    y, rstd, weight, h, out_rstd, _ = torch.ops.attnres.block_read_merge_fwd(
         y0, lse, P, q, g, 1e-6, 1.0, w, 1e-5, True)
     dy = torch.randn(y.shape, generator=gen)
     args = (dy, y0, P, q, g, rstd, weight, 1.0)

@@ -7,13 +7,16 @@
 #
 #   tests/sanitize/run.sh            # build + run both
 #   ATTNRES_SANITIZE_BUILD=dir  MAX_JOBS=n  PYTHON=python  (defaults below)
-#   ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16"  (make sanitize-full)
+#   ATTNRES_SANITIZE_DTYPES="float64 float32 bfloat16 float16"  (make sanitize-full: every case;
+#   an entry dtype:k/n runs every n-th case from the k-th)
 #
 # By default the kernel emulation runs sanitized for float32 and bfloat16
 # (every tile family but fp64's: float16 has bfloat16's 2-byte tiles and
-# memory accesses), one core each, for CI's time limit (times in
-# benchmarks/results/NOTES.md, "CI time"). pytest runs all four unsanitized
-# (tests/python/test_cuda_emulation.py); `make sanitize-full` runs all four here.
+# memory accesses), one core each, each dtype on complementary halves of the
+# case list (float32 the even cases, bfloat16 the odd ones), for CI's time
+# limit (times in benchmarks/results/NOTES.md, "CI time"). pytest runs every
+# case of all four unsanitized (tests/python/test_cuda_emulation.py);
+# `make sanitize-full` runs every case of all four here.
 #
 # A sanitizer report fails the run (halt_on_error). LeakSanitizer is off:
 # LibTorch keeps process-lifetime allocations that it reports as leaks.
@@ -73,17 +76,20 @@ fi
 EMU="$BUILD/emulate_kernels"
 build_emulator emulate_kernels
 # The dtypes side by side, one core each.
-DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32 bfloat16}
+DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32:0/2 bfloat16:1/2}
 declare -A pids
 for dtype in $DTYPES; do
-  "$EMU" "$dtype" > "$EMU.$dtype.log" 2>&1 &
+  shard=all
+  [[ $dtype == *:* ]] && shard=${dtype#*:}
+  [ "$shard" = all ] && shard=0/1
+  "$EMU" "${dtype%%:*}" "$shard" > "$EMU.${dtype%%:*}.log" 2>&1 &
   pids[$dtype]=$!
 done
 for dtype in $DTYPES; do
   if wait "${pids[$dtype]}"; then
-    echo "emulation $dtype: $(tail -1 "$EMU.$dtype.log")"
+    echo "emulation $dtype: $(tail -1 "$EMU.${dtype%%:*}.log")"
   else
-    echo "emulation $dtype FAILED:"; tail -30 "$EMU.$dtype.log"; fails=$((fails + 1))
+    echo "emulation $dtype FAILED:"; tail -30 "$EMU.${dtype%%:*}.log"; fails=$((fails + 1))
   fi
 done
 stamp "Block-read kernels' emulation under ASan+UBSan"

@@ -37,6 +37,13 @@ struct BlockReadsForwardCall {
   const OutNormForward* out_norm = nullptr;
 };
 
+// The fused prefix add of a merge: delta [..., D] (any strides) and the
+// contiguous P' = P + delta to fill.
+struct PrefixAdd {
+  const at::Tensor& delta;
+  at::Tensor& sum;
+};
+
 // Phase 2: one reader, one more source (the partial block sum), T > 0.
 struct MergeForwardCall {
   int64_t D, T;
@@ -51,6 +58,10 @@ struct MergeForwardCall {
   // The fused output norm (docs/design.md §11): out is y = RMSNorm(h) * w,
   // h written to out_norm->h where that is defined. Null: out is h.
   const OutNormForward* out_norm = nullptr;
+  // The fused prefix add (docs/design.md §12): block_sum is P and the read's
+  // block sum is P' = P + delta (in the sources' dtype, rounded as
+  // torch.add), formed per token into prefix->sum and read from there.
+  const PrefixAdd* prefix = nullptr;
 };
 
 // Phase 1's backward (T > 0): the S readers' gradients at once.
@@ -90,6 +101,9 @@ struct MergeBackwardCall {
   // out_norm->grad_weight (when defined) is set to the out_weight gradient.
   const OutNormBackward* out_norm = nullptr;
   const at::Tensor* h = nullptr;
+  // The gradient of the fused prefix add's P' output (any strides), added
+  // per element to grad_block_sum (which is then also delta's); or null.
+  const at::Tensor* grad_sum = nullptr;
 };
 
 struct BlockReadKernels {
@@ -120,14 +134,16 @@ MergeForward run_block_read_merge_fwd(const BlockReadKernels& k, const at::Tenso
                                       const at::Tensor& query,
                                       const std::optional<at::Tensor>& norm_weight, double eps,
                                       double scale, const std::optional<at::Tensor>& out_weight,
-                                      std::optional<double> out_eps, bool keep_h);
+                                      std::optional<double> out_eps, bool keep_h,
+                                      const std::optional<at::Tensor>& delta);
 
-void run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
-                                  const at::Tensor& lse, const at::Tensor& block_sum,
-                                  const at::Tensor& query,
-                                  const std::optional<at::Tensor>& norm_weight, double eps,
-                                  double scale, const std::optional<at::Tensor>& out_weight,
-                                  std::optional<double> out_eps);
+at::Tensor run_block_read_merge_inplace(const BlockReadKernels& k, const at::Tensor& partial_out,
+                                        const at::Tensor& lse, const at::Tensor& block_sum,
+                                        const at::Tensor& query,
+                                        const std::optional<at::Tensor>& norm_weight, double eps,
+                                        double scale, const std::optional<at::Tensor>& out_weight,
+                                        std::optional<double> out_eps,
+                                        const std::optional<at::Tensor>& delta);
 
 MergeBackward run_block_read_merge_bwd(
     const BlockReadKernels& k, const at::Tensor& grad_out, const at::Tensor& partial_out,
@@ -135,7 +151,7 @@ MergeBackward run_block_read_merge_bwd(
     const std::optional<at::Tensor>& norm_weight, const at::Tensor& rstd,
     const at::Tensor& weight, double scale, const c10::List<bool>& output_mask,
     const std::optional<at::Tensor>& out_weight, const std::optional<at::Tensor>& h,
-    const std::optional<at::Tensor>& out_rstd);
+    const std::optional<at::Tensor>& out_rstd, const std::optional<at::Tensor>& grad_block_sum_out);
 
 // Registers a device's kernels for the five ops under its dispatch key.
 template <const BlockReadKernels& k>

@@ -48,13 +48,15 @@ at::Tensor block_read_merge(const at::Tensor& partial_out, const at::Tensor& lse
 
 // Phase 2 without autograd (inference): the read is written into
 // partial_out (a contiguous phase-1 output this read consumes); raises when
-// grad mode is on and an input requires grad.
-void block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
-                              const at::Tensor& block_sum, const at::Tensor& query,
-                              const std::optional<at::Tensor>& norm_weight = std::nullopt,
-                              double eps = 1e-6, double scale = 1.0,
-                              const std::optional<at::Tensor>& out_weight = std::nullopt,
-                              std::optional<double> out_eps = std::nullopt);
+// grad mode is on and an input requires grad. With delta the read's block
+// sum is P' = block_sum + delta, returned (an empty tensor without delta).
+at::Tensor block_read_merge_inplace(const at::Tensor& partial_out, const at::Tensor& lse,
+                                    const at::Tensor& block_sum, const at::Tensor& query,
+                                    const std::optional<at::Tensor>& norm_weight = std::nullopt,
+                                    double eps = 1e-6, double scale = 1.0,
+                                    const std::optional<at::Tensor>& out_weight = std::nullopt,
+                                    std::optional<double> out_eps = std::nullopt,
+                                    const std::optional<at::Tensor>& delta = std::nullopt);
 
 // The raw ops (schemas in csrc/ops.cpp). Phase 1's forward:
 // (partial_outs, lse, rstd [N, ...], weights [S, N, ...], h_0, out_rstd);
@@ -83,19 +85,26 @@ BlockReadsBackward block_reads_bwd(
     const std::optional<at::Tensor>& h = std::nullopt,
     const std::optional<at::Tensor>& out_rstd = std::nullopt);
 
-// Phase 2's forward: (out (h, or y with out_weight), rstd, weight, h, out_rstd).
-using MergeForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// Phase 2's forward: (out (h, or y with out_weight), rstd, weight, h,
+// out_rstd, block_sum_out). delta fuses the prefix add (docs/design.md
+// §12): the read's block sum is P' = block_sum + delta, returned as
+// block_sum_out (empty without delta).
+using MergeForward =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 MergeForward block_read_merge_fwd(const at::Tensor& partial_out, const at::Tensor& lse,
                                   const at::Tensor& block_sum, const at::Tensor& query,
                                   const std::optional<at::Tensor>& norm_weight, double eps,
                                   double scale,
                                   const std::optional<at::Tensor>& out_weight = std::nullopt,
                                   std::optional<double> out_eps = std::nullopt,
-                                  bool keep_h = false);
+                                  bool keep_h = false,
+                                  const std::optional<at::Tensor>& delta = std::nullopt);
 
 // (grad_partial_out, grad_lse, grad_block_sum, grad_query, grad_norm_weight,
 // grad_out_weight); output_mask: 5 flags (partial_out, lse, block_sum,
-// query, norm_weight), 6 with out_weight.
+// query, norm_weight), 6 with out_weight. With the prefix add block_sum is
+// the forward's block_sum_out and grad_block_sum_out (its gradient, or
+// nullopt) is added to grad_block_sum.
 using MergeBackward =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 MergeBackward block_read_merge_bwd(
@@ -105,6 +114,7 @@ MergeBackward block_read_merge_bwd(
     const c10::List<bool>& output_mask,
     const std::optional<at::Tensor>& out_weight = std::nullopt,
     const std::optional<at::Tensor>& h = std::nullopt,
-    const std::optional<at::Tensor>& out_rstd = std::nullopt);
+    const std::optional<at::Tensor>& out_rstd = std::nullopt,
+    const std::optional<at::Tensor>& grad_block_sum_out = std::nullopt);
 
 }  // namespace attnres

@@ -147,6 +147,10 @@ TORCH_MODULE(AttnResResidual);
 //
 // The stream holds references, never copies: Full keeps each appended tensor
 // itself; Block builds partial sums out of place so autograd sees every step.
+// With declared readers a Block stream defers an output's add into the
+// partial sum to the next read, whose merge adds it (the fused prefix add,
+// docs/design.md §12); anything else that needs the sum adds it first, in
+// the grad and inference modes of the append.
 // A DepthStream is a small value: copying it (or clone()) shares the tensors
 // and copies the lists, so appending to the copy leaves the original as it is
 // (what activation checkpointing needs). Its tensors are sources(); a stream
@@ -207,11 +211,18 @@ class DepthStream {
   at::Tensor checked_output(const at::Tensor& f, const char* where = "append") const;
   bool two_phase(int64_t num_completed) const;
   void check_declared(const AttnResResidualImpl& reader) const;
+  // Adds a pending output to the partial sum, in the modes of its append.
+  void settle() const;
 
   at::Tensor embedding_;
   std::optional<int64_t> block_size_;
   std::vector<at::Tensor> completed_;  // the embedding, then completed sources
-  at::Tensor partial_;                 // undefined when the block is empty
+  // The partial sum (undefined when the block is empty) and an output not
+  // yet added to it (undefined: none), with its append's grad and
+  // inference modes. Mutable: a const read settles or consumes it.
+  mutable at::Tensor partial_;
+  mutable at::Tensor pending_;
+  bool pending_grad_ = false, pending_inference_ = false;
   int64_t in_partial_ = 0;             // outputs summed into the partial so far
   int64_t num_outputs_ = 0;
   BlockReads block_reads_ = BlockReads::kAuto;

@@ -1,0 +1,298 @@
+"""The fused prefix add (docs/design.md §12): block_read_merge_fwd / _inplace
+take ``delta`` and read over ``P' = block_sum + delta``, formed in the
+merge and returned; block_read_merge_bwd adds P''s own gradient to the block
+sum's. The fused read must equal ``torch.add`` followed by the plain merge
+bit for bit (forward and every gradient), in every dtype, and DepthStream
+with declared readers must take it without changing a bit of its reads."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import attnres
+import attnres.modules as modules_mod
+from attnres.ops import block_read_merge, block_read_merge_inplace, block_reads
+
+from helpers import param_dtype
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def merge_problem(dtype, lead=(3, 5), D=1000, n=3, seed=0, strided=False, gain=True):
+    """A phase 1 over n completed sources for 2 readers, then reader 1's
+    merge inputs: its partial output and lse, a block sum P and a delta
+    (random, never zeros; strided views when asked)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(scale=1.0):
+        if strided:  # every other row of a wider buffer: strides the ops take as given
+            full = torch.randn(*lead[:-1], 2 * lead[-1], D + 3, generator=g, dtype=torch.float64)
+            return (full[..., ::2, :D] * scale).to(dtype)
+        return (torch.randn(*lead, D, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    sources = [rows(10.0 ** (i % 3 - 1)) for i in range(n)]
+    pd = param_dtype(dtype)
+    queries = (torch.randn(2, D, generator=g, dtype=torch.float64) * (2.0 / D ** 0.5)).to(pd)
+    gains = (torch.rand(2, D, generator=g, dtype=torch.float64) + 0.5).to(pd) if gain else None
+    out_weight = (torch.rand(D, generator=g, dtype=torch.float64) + 0.5).to(pd)
+    partials, lse = block_reads(sources, queries, gains)
+    return dict(partial=partials[1].detach(), lse=lse[1].detach(), P=rows(2.0), delta=rows(),
+                query=queries[1], gain=None if gains is None else gains[1], out_weight=out_weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("D", [67, 1000])
+def test_fused_merge_is_add_then_merge_bit_for_bit(dtype, normed, strided, D):
+    p = merge_problem(dtype, D=D, strided=strided, seed=D)
+    w = p["out_weight"] if normed else None
+    P_next = p["P"] + p["delta"]
+    want = block_read_merge(p["partial"], p["lse"], P_next, p["query"], p["gain"], out_weight=w)
+    out, P_out = block_read_merge(p["partial"], p["lse"], p["P"], p["query"], p["gain"],
+                                  out_weight=w, delta=p["delta"])
+    assert P_out.dtype == dtype and P_out.shape == p["P"].shape and P_out.is_contiguous()
+    assert torch.equal(P_out, P_next)
+    assert torch.equal(out, want)
+    with torch.no_grad():  # in place: the read over the consumed partial output
+        y = p["partial"].clone()
+        got, P_in = block_read_merge_inplace(y, p["lse"], p["P"], p["query"], p["gain"],
+                                             out_weight=w, delta=p["delta"])
+    assert got is y and torch.equal(got, want) and torch.equal(P_in, P_next)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+@pytest.mark.parametrize("gain", [True, False], ids=["gain", "no_gain"])
+def test_fused_merge_gradients_are_add_then_merge_bit_for_bit(dtype, normed, gain):
+    """Both outputs carry a gradient (the read's, and P''s from the later
+    reads and adds it feeds): every input's gradient equals autograd's
+    through torch.add and the plain merge, bit for bit."""
+    p = merge_problem(dtype, D=259, seed=3, gain=gain)
+    names = ["partial", "lse", "P", "delta", "query"] + (["gain"] if gain else [])
+    if normed:
+        names.append("out_weight")
+    g = torch.Generator().manual_seed(4)
+    w_out = torch.randn(p["P"].shape, generator=g, dtype=torch.float64).to(dtype)
+    w_sum = torch.randn(p["P"].shape, generator=g, dtype=torch.float64).to(dtype)
+
+    def run(fused):
+        t = {k: (p[k].detach().clone().requires_grad_() if k in names else p[k]) for k in p}
+        w = t["out_weight"] if normed else None
+        if fused:
+            out, P_next = block_read_merge(t["partial"], t["lse"], t["P"], t["query"], t["gain"],
+                                           out_weight=w, delta=t["delta"])
+        else:
+            P_next = t["P"] + t["delta"]
+            out = block_read_merge(t["partial"], t["lse"], P_next, t["query"], t["gain"],
+                                   out_weight=w)
+        loss = (out * w_out).sum() + (P_next * w_sum).sum()
+        return torch.autograd.grad(loss, [t[k] for k in names])
+
+    for name, got, want in zip(names, run(True), run(False)):
+        assert torch.count_nonzero(want) > 0, name
+        assert torch.equal(got, want), name
+
+
+def test_only_the_block_sum_output_has_a_gradient():
+    """A merge whose read is unused: P''s gradient is that of P and delta."""
+    p = merge_problem(torch.float64, D=16, seed=5)
+    P = p["P"].clone().requires_grad_()
+    delta = p["delta"].clone().requires_grad_()
+    _, P_next = block_read_merge(p["partial"], p["lse"], P, p["query"], p["gain"], delta=delta)
+    upstream = torch.randn_like(P_next)
+    gP, gd = torch.autograd.grad(P_next, [P, delta], upstream)
+    assert torch.equal(gP, upstream) and torch.equal(gd, upstream)
+
+
+def test_gradcheck_float64():
+    p = merge_problem(torch.float64, lead=(3,), D=6, seed=6)
+    args = [p[k].clone().requires_grad_() for k in ("partial", "lse", "P", "query", "gain",
+                                                    "out_weight", "delta")]
+
+    def fn(y, lse, P, q, g, w, d):
+        out, P_next = block_read_merge(y, lse, P, q, g, out_weight=w, delta=d)
+        return out, P_next
+
+    assert torch.autograd.gradcheck(fn, tuple(args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck(dtype):
+    p = merge_problem(dtype, lead=(2, 3), D=8, seed=7)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    for w in (None, leaves["out_weight"]):
+        opcheck(torch.ops.attnres.block_read_merge_fwd.default,
+                (leaves["partial"], leaves["lse"], leaves["P"], leaves["query"], leaves["gain"],
+                 1e-6, 0.5, w, None, False, leaves["delta"]))
+    out, rstd, weight, _, _, P_next = torch.ops.attnres.block_read_merge_fwd(
+        p["partial"], p["lse"], p["P"], p["query"], p["gain"], 1e-6, 0.5, None, None, False,
+        p["delta"])
+    args = (torch.randn_like(out), p["partial"], P_next, p["query"], p["gain"], rstd, weight, 0.5)
+    for mask in ([True] * 5, [False, False, True, False, False]):
+        opcheck(torch.ops.attnres.block_read_merge_bwd.default,
+                (*args, mask, None, None, None, torch.randn_like(P_next)))
+    with_sum = torch.ops.attnres.block_read_merge_bwd(*args, [True] * 5, None, None, None,
+                                                       torch.ones_like(P_next))
+    without = torch.ops.attnres.block_read_merge_bwd(*args, [True] * 5)
+    assert torch.equal(with_sum[2], without[2] + 1)  # P''s gradient joins the block sum's
+    for a, b in zip(with_sum[:2] + with_sum[3:5], without[:2] + without[3:5]):
+        assert torch.equal(a, b)
+    opcheck(torch.ops.attnres.block_read_merge_inplace.default,
+            (p["partial"].clone(), p["lse"], p["P"], p["query"], p["gain"], 1e-6, 0.5, None,
+             None, p["delta"]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # the C++ checks and the fake kernel
+def test_delta_that_shares_memory_with_the_in_place_output_is_refused(device):
+    p = {k: v.to(device) for k, v in merge_problem(torch.float32, lead=(4,), D=8, seed=8).items()}
+    buf = torch.randn(5 * 8).to(device)
+    y = buf[:32].view(4, 8)
+
+    def merge(delta):
+        torch.ops.attnres.block_read_merge_inplace(y, p["lse"], p["P"], p["query"], p["gain"],
+                                                   1e-6, 1.0, None, None, delta)
+
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="partial_out and delta must be different tensors"):
+            merge(y)
+        with pytest.raises(RuntimeError, match="delta shares memory with partial_out"):
+            merge(buf[8:].view(4, 8))  # rows 1.. of the output and one row past it
+        merge(p["delta"])  # apart from it: fine
+
+
+def test_torch_compile_fullgraph_fwd_and_bwd():
+    torch._dynamo.reset()
+    p = merge_problem(torch.float32, lead=(2, 5), D=16, seed=9)
+
+    def step(y, lse, P, d, q, g):
+        out, P_next = block_read_merge(y, lse, P, q, g, delta=d)
+        return (out.square().sum() + (P_next * 0.5).sum())
+
+    def grads(fn):
+        leaves = [p[k].clone().requires_grad_() for k in ("partial", "lse", "P", "delta", "query",
+                                                          "gain")]
+        loss = fn(*leaves)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(grads(compiled), grads(step)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_over_the_sources():
+    p = merge_problem(torch.float64, lead=(3, 4), D=8, seed=10)
+    fn = lambda y, lse, P, d: block_read_merge(y, lse, P, p["query"], p["gain"], delta=d)  # noqa: E731
+    out, P_next = torch.vmap(fn)(p["partial"], p["lse"], p["P"], p["delta"])
+    want, want_P = fn(p["partial"], p["lse"], p["P"], p["delta"])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14)
+    assert torch.equal(P_next, want_P)
+
+
+# ---- DepthStream: the add deferred into the next read --------------------------
+
+
+def make_stack(L, D, dtype, seed=0):
+    torch.manual_seed(seed)
+    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype)) for _ in range(L + 1)]
+    with torch.no_grad():
+        for r in readers:
+            r.query.normal_(0, 1.0 / D ** 0.5)
+            r.norm_weight.uniform_(0.5, 1.5)
+    weights = [(torch.randn(D, D, dtype=torch.float64) / D ** 0.5).to(dtype).requires_grad_(True)
+               for _ in range(L)]
+    return readers, weights
+
+
+def run_stack(readers, weights, emb, S, modes=None):
+    """f_l = tanh(h_l @ W_l) read through declared readers, then a final
+    read; `modes` (optional) is the grad mode of each read."""
+    stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase", readers=readers)
+    for l, (res, w) in enumerate(zip(readers[:-1], weights)):
+        with torch.set_grad_enabled(modes[l] if modes else torch.is_grad_enabled()):
+            h = res(stream)
+        stream.append(torch.tanh(h @ w))
+    return readers[-1](stream)
+
+
+class MergeCalls:
+    """Counts the stream's merges and those that took a delta."""
+
+    def __init__(self, monkeypatch):
+        self.merges = self.fused = 0
+        for name in ("block_read_merge", "block_read_merge_inplace"):
+            real = getattr(modules_mod, name)
+
+            def call(*a, _real=real, **k):
+                self.merges += 1
+                self.fused += k.get("delta") is not None
+                return _real(*a, **k)
+
+            monkeypatch.setattr(modules_mod, name, call)
+
+
+def unfused(monkeypatch):
+    """The stream with its deferred adds made before every read."""
+    def take(self):
+        self._settle()
+        return None
+    monkeypatch.setattr(modules_mod.DepthStream, "_take_pending", take)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("L,S", [(9, 4), (7, 3), (6, 8)])
+def test_stream_reads_with_the_fused_add_are_bit_for_bit_the_unfused(dtype, L, S, monkeypatch):
+    readers, weights = make_stack(L, 24, dtype)
+    emb = torch.randn(3, 5, 24, dtype=torch.float64).to(dtype).requires_grad_()
+    params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
+    calls = MergeCalls(monkeypatch)
+    out = run_stack(readers, weights, emb, S)
+    grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+    with torch.no_grad():
+        inference = run_stack(readers, weights, emb, S)
+    # Every merge whose block already holds a partial sum of 2+ outputs fuses.
+    assert calls.fused > 0 and calls.fused <= calls.merges
+    unfused(monkeypatch)
+    want = run_stack(readers, weights, emb, S)
+    want_grads = torch.autograd.grad(want.square().sum(), params, allow_unused=True)
+    with torch.no_grad():
+        want_inference = run_stack(readers, weights, emb, S)
+    assert torch.equal(out, want) and torch.equal(inference, want_inference)
+    for i, (g, w) in enumerate(zip(grads, want_grads)):
+        assert (g is None) == (w is None), i
+        assert g is None or torch.equal(g, w), i
+
+
+def test_an_output_appended_with_grad_keeps_its_graph_through_a_no_grad_read(monkeypatch):
+    """The deferred add runs in its append's modes: a read under no_grad
+    between the append and a training read neither drops the output's graph
+    nor fuses a graph-less sum into it."""
+    L, S = 7, 4
+    readers, weights = make_stack(L, 16, torch.float64, seed=2)
+    emb = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    modes = [True, True, False, True, True, False, True]
+
+    def loss_and_grads():
+        out = run_stack(readers, weights, emb, S, modes)
+        return [out, *torch.autograd.grad(out.sum(), [emb, *weights])]
+
+    got = loss_and_grads()
+    unfused(monkeypatch)
+    want = loss_and_grads()
+    for g, w in zip(got, want):
+        assert torch.count_nonzero(w) > 0
+        assert torch.equal(g, w)
+
+
+def test_sources_and_clone_see_the_deferred_output():
+    readers, weights = make_stack(3, 8, torch.float64, seed=3)
+    emb = torch.randn(2, 8, dtype=torch.float64)
+    stream = attnres.DepthStream(emb, block_size=4, block_reads="two_phase", readers=readers)
+    f1, f2 = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    readers[0](stream)
+    stream.append(f1)
+    readers[1](stream)
+    stream.append(f2)  # deferred: the next read would add it
+    clone = stream.clone()
+    assert torch.equal(stream.sources[-1], f1 + f2) and torch.equal(clone.sources[-1], f1 + f2)
+    leaves, spec = stream.flatten()
+    assert torch.equal(attnres.DepthStream.unflatten(leaves, spec).sources[-1], f1 + f2)
