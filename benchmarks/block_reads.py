@@ -288,12 +288,12 @@ def parse_gpt_size(text):
     return size
 
 
-def results_suffix(gpt_only, reads_only, T, gpt_size=None):
+def results_suffix(gpt_only, reads_only, T, gpt_size=None, train=False):
     """The results file's suffix: one per kind of run, so no run overwrites
     another kind's file (gpt_size: the --gpt size, when given)."""
     sizes = "_" + "_".join(map(str, gpt_size)) if gpt_size else ""
     if gpt_only:
-        return "_gpt" + sizes
+        return "_gpt" + sizes + ("_train" if train else "")
     if reads_only:
         return f"_reads_T{T}"
     return ("" if T == 2048 else f"_T{T}") + ("_model" + sizes if sizes else "")
@@ -393,18 +393,60 @@ GPT_VARIANTS = {  # name -> GPTConfig fields; "standard" is every table's baseli
     # On CUDA "auto" reads one-call (design §10): the two-phase fused row.
     "block two-phase, fused RMSNorm": dict(residual="block", block_reads="two_phase",
                                            norm="rmsnorm"),
+    # The same Block models with every partial sum formed by its own add
+    # before the read (the stream without the fused prefix add, design §12).
+    "block auto, add unfused": dict(residual="block", block_reads="auto", unfused_add=True),
+    "block two-phase, add unfused": dict(residual="block", block_reads="two_phase",
+                                         unfused_add=True),
+    "block two-phase, fused RMSNorm, add unfused": dict(residual="block", block_reads="two_phase",
+                                                        norm="rmsnorm", unfused_add=True),
 }
+
+
+class unfused_adds:
+    """DepthStream as it reads without the fused prefix add: a deferred
+    output is added to the partial sum before every read."""
+
+    def __enter__(self):
+        self.saved = attnres.DepthStream._take_pending
+
+        def take(stream):
+            stream._settle()
+            return None
+        attnres.DepthStream._take_pending = take
+
+    def __exit__(self, *exc):
+        attnres.DepthStream._take_pending = self.saved
+
+
+def gpt_call(name, fn):
+    """fn, run without the fused add for the "add unfused" variants."""
+    if not GPT_VARIANTS[name].get("unfused_add"):
+        return fn
+
+    def call():
+        with unfused_adds():
+            return fn()
+    return call
 
 
 def gpt_models(names, n_layers, D, T, S, train):
     models = {}
     for name in names:
         torch.manual_seed(0)
+        fields = {k: v for k, v in GPT_VARIANTS[name].items() if k != "unfused_add"}
         cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=D, n_layers=n_layers,
-                        n_heads=max(1, D // 64), block_size=S, **GPT_VARIANTS[name])
+                        n_heads=max(1, D // 64), block_size=S, **fields)
         with DEV:  # built on the device (a GPU's models are 0.8 GB each)
             models[name] = GPT(cfg).to(DEV).train(train)
     return models
+
+
+def fused_ratios(med):
+    """time with the fused add / time with the add unfused, per Block variant."""
+    pairs = [(n, f"{n}, add unfused") for n in med if f"{n}, add unfused" in med]
+    return "fused add / unfused add: " + ", ".join(
+        f"{n} {med[n] / med[u]:.3f}" for n, u in pairs)
 
 
 def gpt_table(out, med, faults):
@@ -424,17 +466,19 @@ def part_gpt(n_layers, D, B, T, S, repeats, out, malloc):
     models = gpt_models(GPT_VARIANTS, n_layers, D, T, S, train=False)
     logits = {}
     with torch.no_grad():
-        for name, m in models.items():
-            logits[name] = m(idx)[0]  # also: the Block readers learn their order
-        fns = {name: (lambda m=m: m(idx)) for name, m in models.items()}
+        fns = {name: gpt_call(name, lambda m=m: m(idx)) for name, m in models.items()}
+        for name, fn in fns.items():
+            logits[name] = fn()[0]
         faults = {}
         med = interleaved(fns, repeats, faults)
     diff = (logits["block two-phase"] - logits["block one-call"]).abs().max().item()
+    fused_bits = torch.equal(logits["block two-phase"], logits["block two-phase, add unfused"])
     out.append(f"\n## Example GPT inference forward (torch.no_grad), {malloc}: {n_layers} layers "
                f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
     gpt_table(out, med, faults)
-    out.append(f"\nmax |logits(two-phase) - logits(one-call)| = {diff:.1e}; {repeats} interleaved "
-               "repeats, medians.")
+    out.append(f"\nmax |logits(two-phase) - logits(one-call)| = {diff:.1e}; logits with the fused "
+               f"add {'equal' if fused_bits else 'NOT equal'} bit for bit to the unfused add's; "
+               f"{fused_ratios(med)}; {repeats} interleaved repeats, medians.")
     print("\n".join(out[-len(models) - 4:]), flush=True)
 
 
@@ -470,7 +514,7 @@ def part_train_reads(T, D, repeats, configs, out):
 def part_gpt_train(n_layers, D, B, T, S, repeats, out, malloc):
     # Every variant but the two-phase fused row, which only CUDA (whose "auto"
     # reads one-call) needs, and only at inference (gpu_check.sh).
-    names = [name for name in GPT_VARIANTS if name != "block two-phase, fused RMSNorm"]
+    names = [name for name in GPT_VARIANTS if "two-phase, fused RMSNorm" not in name]
     idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0)).to(DEV)
     models = gpt_models(names, n_layers, D, T, S, train=True)
 
@@ -480,14 +524,16 @@ def part_gpt_train(n_layers, D, B, T, S, repeats, out, malloc):
         loss.backward()
         return loss.detach()
 
-    losses = {name: step(m).item() for name, m in models.items()}  # Block: learns the order
+    fns = {name: gpt_call(name, lambda m=m: step(m)) for name, m in models.items()}
+    losses = {name: fn().item() for name, fn in fns.items()}
     faults = {}
-    med = interleaved({name: (lambda m=m: step(m)) for name, m in models.items()}, repeats, faults)
+    med = interleaved(fns, repeats, faults)
     out.append(f"\n## Example GPT training step (forward + backward), {malloc}: {n_layers} layers "
                f"({2 * n_layers} sublayers), D = {D}, B = {B}, T = {T}, Block S = {S}, fp32\n")
     gpt_table(out, med, faults)
     out.append(f"\nFirst-step loss: Block one-call {losses['block one-call']:.6f}, auto "
-               f"{losses['block auto']:.6f}, two-phase {losses['block two-phase']:.6f}; "
+               f"{losses['block auto']:.6f}, two-phase {losses['block two-phase']:.6f} (add "
+               f"unfused {losses['block two-phase, add unfused']:.6f}); {fused_ratios(med)}; "
                f"{repeats} interleaved repeats, medians.")
     print("\n".join(out[-len(models) - 4:]), flush=True)
 
@@ -509,6 +555,8 @@ def main():
     ap.add_argument("--gpt", default=None, metavar="LAYERS,D,B,T,S",
                     help="the example GPT's size (default 16,512,4,256,4; with --gpt-only on "
                          "CUDA 16,1024,8,1024,4); a results file suffixed with it")
+    ap.add_argument("--gpt-train", action="store_true",
+                    help="with --gpt-only: the training step too")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the current GPU (on CUDA, Block \"auto\" reads one-call)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="where the results file goes")
@@ -533,10 +581,14 @@ def main():
             gpt = parse_gpt_size(args.gpt)
         except ValueError as e:
             ap.error(str(e))
+    if args.gpt_train and not args.gpt_only:
+        ap.error("--gpt-train goes with --gpt-only (a full run times the training step anyway)")
     gpt_repeats = repeats if args.quick else 2 * repeats + 1
     default = "glibc malloc as configured by default" if DEV.type == "cpu" else "CUDA"
     if args.gpt_only:
         part_gpt(*gpt, gpt_repeats, out, default)
+        if args.gpt_train:
+            part_gpt_train(*gpt, gpt_repeats, out, default)
     else:
         part_reads(T, 1024, repeats, out)
     if args.reads_only:
@@ -554,11 +606,12 @@ def main():
         kept = keep_freed_memory() if DEV.type == "cpu" else None
         if kept:
             part_gpt(*gpt, gpt_repeats, out, f"malloc keeping freed memory ({kept})")
-            if not args.gpt_only:
+            if not args.gpt_only or args.gpt_train:
                 part_gpt_train(*gpt, gpt_repeats, out, f"malloc keeping freed memory ({kept})")
     out.append(load_footer(load_before, os.getloadavg(), "this script keeps ~2 threads busy"))
     if not args.quick:
-        suffix = results_suffix(args.gpt_only, args.reads_only, T, gpt if args.gpt else None)
+        suffix = results_suffix(args.gpt_only, args.reads_only, T, gpt if args.gpt else None,
+                                args.gpt_train)
         write_results(out, args.out_dir, "block_reads", machine, suffix)
 
 

@@ -251,25 +251,31 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
       pending_.defined() ? std::optional<at::Tensor>(std::move(pending_)) : std::nullopt;
   pending_ = at::Tensor();
   const at::Tensor& y = it->second.partials[pos];
-  if (grad || it->second.with_grad || (y.is_inference() && !c10::InferenceMode::is_enabled())) {
-    auto result = block_read_merge_fwd(it->second.partials[pos], it->second.lse[pos], partial_,
-                                       reader.query, gain, reader.options.eps(), 1.0,
-                                       reader.out_weight_or_none(), reader.options.out_eps(),
-                                       /*keep_h=*/false, delta);
-    if (delta) partial_ = std::get<5>(result);
-    return std::get<0>(result);
+  try {
+    if (grad || it->second.with_grad ||
+        (y.is_inference() && !c10::InferenceMode::is_enabled())) {
+      auto result = block_read_merge_fwd(it->second.partials[pos], it->second.lse[pos], partial_,
+                                         reader.query, gain, reader.options.eps(), 1.0,
+                                         reader.out_weight_or_none(), reader.options.out_eps(),
+                                         /*keep_h=*/false, delta);
+      if (delta) partial_ = std::get<5>(result);
+      return std::get<0>(result);
+    }
+    // Inference: h (y with an output norm) overwrites the partial output it
+    // consumes (no new output allocated); a second read at this position
+    // reads one-call.
+    at::Tensor h = std::move(it->second.partials[pos]);
+    it->second.partials[pos] = at::Tensor();
+    at::Tensor sum = block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query,
+                                              gain, reader.options.eps(), 1.0,
+                                              reader.out_weight_or_none(),
+                                              reader.options.out_eps(), delta);
+    if (delta) partial_ = std::move(sum);
+    return h;
+  } catch (...) {
+    if (delta) pending_ = *delta;  // a failed read leaves the stream as it was
+    throw;
   }
-  // Inference: h (y with an output norm) overwrites the partial output it
-  // consumes (no new output allocated); a second read at this position
-  // reads one-call.
-  at::Tensor h = std::move(it->second.partials[pos]);
-  it->second.partials[pos] = at::Tensor();
-  at::Tensor sum = block_read_merge_inplace(h, it->second.lse[pos], partial_, reader.query, gain,
-                                            reader.options.eps(), 1.0,
-                                            reader.out_weight_or_none(), reader.options.out_eps(),
-                                            delta);
-  if (delta) partial_ = std::move(sum);
-  return h;
 }
 
 at::Tensor DepthStream::checked_output(const at::Tensor& f, const char* where) const {

@@ -116,7 +116,10 @@ class MergeFunction : public torch::autograd::Function<MergeFunction> {
     ctx->saved_data["prefix"] = prefix;
     const at::Tensor h_out = normed && !keep_h ? at::empty({0}, h.options()) : h;
     ctx->mark_non_differentiable({rstd, weight, h_out, out_rstd});
-    if (!prefix) ctx->mark_non_differentiable({sum});
+    // P' has a gradient only when the block sum or delta can take one.
+    if (!prefix || !(block_sum.requires_grad() || delta->requires_grad())) {
+      ctx->mark_non_differentiable({sum});
+    }
     ctx->set_materialize_grads(false);
     return {out, rstd, weight, h_out, out_rstd, sum};
   }

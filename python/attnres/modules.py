@@ -71,7 +71,11 @@ def _check_block_size(block_size) -> Optional[int]:
 
 
 def _modes() -> Tuple[bool, bool]:
-    """(grad mode, inference mode) now: a deferred add runs in its append's."""
+    """(grad mode, inference mode) now: a deferred add runs in its append's.
+    torch.compile cannot trace is_inference_mode_enabled(); a compiled region
+    runs in one inference mode, so there it counts as off."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled(), False
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
@@ -100,8 +104,12 @@ class DepthStream:
 
     The stream holds references, never copies: Full keeps each appended
     tensor itself; Block builds partial sums out of place so autograd sees
-    every step. It is a pytree of its tensors (:meth:`flatten`), so FSDP2,
-    pipelining, checkpointing, hooks and ``torch.compile`` see them.
+    every step. With ``readers`` a Block stream keeps an appended output
+    until the next read, whose merge adds it into the partial sum (the fused
+    prefix add, docs/design.md §12); anything else that needs the sum adds it
+    first. So do not change an appended output in place. It is a pytree of
+    its tensors (:meth:`flatten`), so FSDP2, pipelining, checkpointing, hooks
+    and ``torch.compile`` see them.
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None, *,
@@ -291,10 +299,14 @@ class DepthStream:
         """Adds a pending output to the partial sum, in the modes of its append."""
         if self._pending is None:
             return
-        if self._pending_mode == _modes():
+        now = _modes()
+        grad, inference = self._pending_mode
+        if now == self._pending_mode:
             self._partial = self._partial + self._pending
+        elif now[1] == inference:
+            with torch.set_grad_enabled(grad):
+                self._partial = self._partial + self._pending
         else:
-            grad, inference = self._pending_mode
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 self._partial = self._partial + self._pending
         self._pending = None
@@ -380,20 +392,24 @@ class DepthStream:
         partial = entry.partials[pos]
         # The last output joins the partial sum inside the merge (§12).
         delta = self._take_pending()
-        if grad or entry.with_grad or _inference_tensor_outside_inference_mode(partial):
-            # Out of place (under no_grad the result has no graph; an inference
-            # tensor cannot be written outside inference mode).
-            out = block_read_merge(
-                partial, entry.lse[pos], self._partial, query, gain,
-                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
-        else:
-            # Inference: h (y with an output norm) overwrites the partial
-            # output it consumes (no new output allocated); a second read at
-            # this position reads one-call.
-            entry.partials[pos] = None
-            out = block_read_merge_inplace(
-                partial, entry.lse[pos], self._partial, query, gain,
-                eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+        try:
+            if grad or entry.with_grad or _inference_tensor_outside_inference_mode(partial):
+                # Out of place (under no_grad the result has no graph; an
+                # inference tensor cannot be written outside inference mode).
+                out = block_read_merge(
+                    partial, entry.lse[pos], self._partial, query, gain,
+                    eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+            else:
+                # Inference: h (y with an output norm) overwrites the partial
+                # output it consumes (no new output allocated); a second read
+                # at this position reads one-call.
+                entry.partials[pos] = None
+                out = block_read_merge_inplace(
+                    partial, entry.lse[pos], self._partial, query, gain,
+                    eps=reader.eps, out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+        except BaseException:
+            self._pending = delta  # a failed read leaves the stream as it was
+            raise
         if delta is None:
             return out
         out, self._partial = out
@@ -557,7 +573,10 @@ def _refuse_reentrant_checkpoint(stream: DepthStream) -> None:
     would be lost without a word (its forward runs under no_grad)."""
     if torch.compiler.is_compiling():
         return
-    needy = [t for t in stream.sources if t.requires_grad]
+    # The stream's tensors as they are: reading `sources` would add a
+    # deferred output here, outside the merge that fuses it (§12).
+    held = [*stream._completed, stream._partial, stream._pending]
+    needy = [t for t in held if t is not None and t.requires_grad]
     if not needy:
         return
     code = torch.utils.checkpoint.CheckpointFunction.forward.__code__

@@ -120,6 +120,37 @@ struct Checker {
   }
 };
 
+// One emulated launch of the merge kernel (vec: natural or 1) or of its
+// backward, as block_reads_cuda.cu launches them.
+template <typename scalar_t>
+void emulate_merge(const MergeParams<scalar_t>& p, bool norm, int vec, int64_t grid) {
+  constexpr int natural = natural_vec<scalar_t>();
+  emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+    if (vec == natural) {
+      norm ? block_read_merge_kernel<scalar_t, natural, true>(p)
+           : block_read_merge_kernel<scalar_t, natural, false>(p);
+    } else {
+      norm ? block_read_merge_kernel<scalar_t, 1, true>(p)
+           : block_read_merge_kernel<scalar_t, 1, false>(p);
+    }
+  });
+}
+
+template <typename scalar_t>
+void emulate_merge_backward(const MergeBackwardParams<scalar_t>& p, bool norm, int vec,
+                            int64_t grid) {
+  constexpr int natural = natural_vec<scalar_t>();
+  emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
+    if (vec == natural) {
+      norm ? block_read_merge_bwd_kernel<scalar_t, natural, true>(p)
+           : block_read_merge_bwd_kernel<scalar_t, natural, false>(p);
+    } else {
+      norm ? block_read_merge_bwd_kernel<scalar_t, 1, true>(p)
+           : block_read_merge_bwd_kernel<scalar_t, 1, false>(p);
+    }
+  });
+}
+
 // The output norm's contract with the backward (docs/design.md §11): the
 // norm's r is that of the h the kernel kept (rounded to scalar_t), and
 // y = (h r) w from that h and r.
@@ -288,15 +319,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
                           static_cast<acc_t>(kOutEps));
     }
     const int vec2 = block_read_vec(merge_rows_aligned(p, natural), D, natural);
-    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
-      if (vec2 == natural) {
-        c.norm ? block_read_merge_kernel<scalar_t, natural, true>(p)
-               : block_read_merge_kernel<scalar_t, natural, false>(p);
-      } else {
-        c.norm ? block_read_merge_kernel<scalar_t, 1, true>(p)
-               : block_read_merge_kernel<scalar_t, 1, false>(p);
-      }
-    });
+    emulate_merge(p, c.norm, vec2, grid);
     char what[240];
     std::snprintf(what, sizeof what, "%s merge%s vec=%d", buf, in_place ? " in place" : "", vec2);
     const std::vector<scalar_t>& got = in_place ? partial : out_buf;
@@ -356,15 +379,7 @@ void run_case(const Case& c, std::mt19937_64& rng, Checker& chk) {
                             static_cast<acc_t>(kOutEps));
       }
       const int vec = block_read_vec(merge_rows_aligned(p, natural), D, natural);
-      emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
-        if (vec == natural) {
-          c.norm ? block_read_merge_kernel<scalar_t, natural, true>(p)
-                 : block_read_merge_kernel<scalar_t, natural, false>(p);
-        } else {
-          c.norm ? block_read_merge_kernel<scalar_t, 1, true>(p)
-                 : block_read_merge_kernel<scalar_t, 1, false>(p);
-        }
-      });
+      emulate_merge(p, c.norm, vec, grid);
       if (in_place) run.out = run.partial;
       return run;
     };
@@ -562,15 +577,7 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
   p.T = T;
   p.D = D;
   const int vec = block_read_vec(merge_backward_rows_aligned(p, natural), D, natural);
-  emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
-    if (vec == natural) {
-      c.norm ? block_read_merge_bwd_kernel<scalar_t, natural, true>(p)
-             : block_read_merge_bwd_kernel<scalar_t, natural, false>(p);
-    } else {
-      c.norm ? block_read_merge_bwd_kernel<scalar_t, 1, true>(p)
-             : block_read_merge_bwd_kernel<scalar_t, 1, false>(p);
-    }
-  });
+  emulate_merge_backward(p, c.norm, vec, grid);
   auto row_sums = [&](const std::vector<acc_t>& partial) {
     std::vector<acc_t> out(D, nan);
     emu::launch(static_cast<unsigned>((D + kSumColumns - 1) / kSumColumns), kSumColumns * kSumSlices, 0,
@@ -595,15 +602,7 @@ void run_merge_backward(const BackwardCase& c, std::mt19937_64& rng, Checker& ch
     q.grad_sum = gs.data() + offset;
     q.grad_sum_stride = stride;
     const int vec2 = block_read_vec(merge_backward_rows_aligned(q, natural), D, natural);
-    emu::launch(static_cast<unsigned>(grid), kBlockReadThreads, 0, [&] {
-      if (vec2 == natural) {
-        c.norm ? block_read_merge_bwd_kernel<scalar_t, natural, true>(q)
-               : block_read_merge_bwd_kernel<scalar_t, natural, false>(q);
-      } else {
-        c.norm ? block_read_merge_bwd_kernel<scalar_t, 1, true>(q)
-               : block_read_merge_bwd_kernel<scalar_t, 1, false>(q);
-      }
-    });
+    emulate_merge_backward(q, c.norm, vec2, grid);
     std::vector<scalar_t> want(dP.size());
     for (int64_t t = 0; t < T; ++t) {
       for (int j = 0; j < D; ++j) {

@@ -81,7 +81,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import pytest
 import torch
 
-import attnres  # noqa: F401  (loads the ops)
+import attnres  # loads the ops; make_stack builds its reads
 
 # ---- the tolerance table ----------------------------------------------------------
 
@@ -310,6 +310,21 @@ def backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, scale, 
         grad_out, grad_weights, list(sources), query, norm_weight, h, rstd, weights, scale,
         output_mask, out_weight, out_rstd
     )
+
+
+def make_stack(L, D, dtype, seed=0):
+    """L + 1 reads (random queries and gains, in param_dtype) and L sublayer
+    weights [D, D] (requiring grad): a stack f_l = tanh(h_l @ W_l) read
+    through the reads, the last one the final read."""
+    torch.manual_seed(seed)
+    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype)) for _ in range(L + 1)]
+    with torch.no_grad():
+        for r in readers:
+            r.query.normal_(0, 1.0 / D ** 0.5)
+            r.norm_weight.uniform_(0.5, 1.5)
+    weights = [(torch.randn(D, D, dtype=torch.float64) / D ** 0.5).to(dtype).requires_grad_(True)
+               for _ in range(L)]
+    return readers, weights
 
 
 def randomize_reads(model):

@@ -22,6 +22,7 @@ from helpers import (
     STAT_REL_TOL,
     assert_rel_close,
     extreme_sources,
+    make_stack,
     param_dtype,
     randomize_reads,
 )
@@ -307,18 +308,6 @@ def run_stack(readers, weights, emb, block_size, block_reads):
     for res, w in zip(readers[:-1], weights):
         stream.append(torch.tanh(res(stream) @ w))
     return readers[-1](stream)
-
-
-def make_stack(L, D, dtype, seed=0):
-    torch.manual_seed(seed)
-    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype)) for _ in range(L + 1)]
-    with torch.no_grad():
-        for r in readers:
-            r.query.normal_(0, 1.0 / D ** 0.5)
-            r.norm_weight.uniform_(0.5, 1.5)
-    weights = [(torch.randn(D, D, dtype=torch.float64) / D ** 0.5).to(dtype).requires_grad_(True)
-               for _ in range(L)]
-    return readers, weights
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

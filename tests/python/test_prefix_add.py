@@ -12,7 +12,7 @@ import attnres
 import attnres.modules as modules_mod
 from attnres.ops import block_read_merge, block_read_merge_inplace, block_reads
 
-from helpers import param_dtype
+from helpers import make_stack, param_dtype
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -191,18 +191,6 @@ def test_vmap_over_the_sources():
 # ---- DepthStream: the add deferred into the next read --------------------------
 
 
-def make_stack(L, D, dtype, seed=0):
-    torch.manual_seed(seed)
-    readers = [attnres.AttnResResidual(D, dtype=param_dtype(dtype)) for _ in range(L + 1)]
-    with torch.no_grad():
-        for r in readers:
-            r.query.normal_(0, 1.0 / D ** 0.5)
-            r.norm_weight.uniform_(0.5, 1.5)
-    weights = [(torch.randn(D, D, dtype=torch.float64) / D ** 0.5).to(dtype).requires_grad_(True)
-               for _ in range(L)]
-    return readers, weights
-
-
 def run_stack(readers, weights, emb, S, modes=None):
     """f_l = tanh(h_l @ W_l) read through declared readers, then a final
     read; `modes` (optional) is the grad mode of each read."""
@@ -296,3 +284,75 @@ def test_sources_and_clone_see_the_deferred_output():
     assert torch.equal(stream.sources[-1], f1 + f2) and torch.equal(clone.sources[-1], f1 + f2)
     leaves, spec = stream.flatten()
     assert torch.equal(attnres.DepthStream.unflatten(leaves, spec).sources[-1], f1 + f2)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_the_stream_fuses_in_every_mode(mode, monkeypatch):
+    readers, weights = make_stack(9, 16, torch.float32, seed=4)
+    emb = torch.randn(2, 16)
+    calls = MergeCalls(monkeypatch)
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
+           "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        run_stack(readers, weights, emb, 4)
+    # S = 4, 9 sublayers: the reads after the 2nd and 3rd output of each
+    # block (the 1st starts the sum, the 4th completes it) fuse: 4 of 7 merges.
+    assert (calls.merges, calls.fused) == (7, 4)
+
+
+def test_block_sum_output_needs_no_gradient_when_its_inputs_need_none():
+    p = merge_problem(torch.float32, lead=(3,), D=8, seed=11)
+    q = p["query"].clone().requires_grad_()
+    _, P_next = block_read_merge(p["partial"], p["lse"], p["P"], q, p["gain"], delta=p["delta"])
+    assert not P_next.requires_grad and P_next.grad_fn is None
+    d = p["delta"].clone().requires_grad_()
+    _, P_next = block_read_merge(p["partial"], p["lse"], p["P"], q, p["gain"], delta=d)
+    assert P_next.requires_grad
+
+
+def test_a_failed_merge_keeps_the_deferred_output(monkeypatch):
+    readers, weights = make_stack(3, 8, torch.float64, seed=5)
+    emb = torch.randn(2, 8, dtype=torch.float64)
+    f1, f2 = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    stream = attnres.DepthStream(emb, block_size=4, block_reads="two_phase", readers=readers)
+    readers[0](stream)
+    stream.append(f1)
+    readers[1](stream)
+    stream.append(f2)
+    real = modules_mod.block_read_merge
+
+    def fail(*a, **k):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(modules_mod, "block_read_merge", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        readers[2](stream)
+    monkeypatch.setattr(modules_mod, "block_read_merge", real)
+    assert torch.equal(stream.sources[-1], f1 + f2)
+
+
+def test_compiled_block_gpt_fuses_without_graph_breaks(monkeypatch):
+    """A Block GPT with S = 4 (two deferred outputs a block) under
+    torch.compile(fullgraph=True): the fused merges are traced, and the loss
+    and gradients equal eager's."""
+    from attnres.models import GPT, GPTConfig
+    from helpers import randomize_reads
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=4, n_heads=2,
+                    residual="block", block_size=4, block_reads="two_phase")
+    model = GPT(cfg)
+    randomize_reads(model)
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        _, loss = fn(idx, idx)
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = loss_and_grads(model)
+    calls = MergeCalls(monkeypatch)
+    got = loss_and_grads(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert calls.fused > 0  # counted while tracing
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

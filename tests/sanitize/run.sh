@@ -65,37 +65,44 @@ build_emulator() {
     -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
 }
 fails=0
+EMU="$BUILD/emulate_kernels"
+BEMU="$BUILD/emulate_block_kernels"
+# The three emulators compile side by side (emulate_kernels alone takes
+# minutes under the sanitizers), then run side by side.
+build_emulator emulate_runtime_selftest &
+selftest_build=$!
+build_emulator emulate_block_kernels &
+block_build=$!
+build_emulator emulate_kernels
+wait $selftest_build
+wait $block_build
 # The emulated runtime itself first: its fiber switches are what ASan must
 # follow (annotated in cuda_runtime.h).
-build_emulator emulate_runtime_selftest
 if "$BUILD/emulate_runtime_selftest" > "$BUILD/emulate_runtime_selftest.log" 2>&1; then
   echo "emulated runtime: $(tail -1 "$BUILD/emulate_runtime_selftest.log")"
 else
   echo "emulated runtime FAILED:"; tail -30 "$BUILD/emulate_runtime_selftest.log"; fails=$((fails + 1))
 fi
-EMU="$BUILD/emulate_kernels"
-build_emulator emulate_kernels
-# The dtypes side by side, one core each.
+# The dtypes (and the Block-read kernels) side by side.
 DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32:0/2 bfloat16:1/2}
 declare -A pids
 for dtype in $DTYPES; do
   shard=all
   [[ $dtype == *:* ]] && shard=${dtype#*:}
   [ "$shard" = all ] && shard=0/1
-  "$EMU" "${dtype%%:*}" "$shard" > "$EMU.${dtype%%:*}.log" 2>&1 &
+  "$EMU" "${dtype%%:*}" "$shard" > "$EMU.${dtype//[:\/]/_}.log" 2>&1 &
   pids[$dtype]=$!
 done
+"$BEMU" > "$BEMU.log" 2>&1 &
+block_run=$!
 for dtype in $DTYPES; do
   if wait "${pids[$dtype]}"; then
-    echo "emulation $dtype: $(tail -1 "$EMU.${dtype%%:*}.log")"
+    echo "emulation $dtype: $(tail -1 "$EMU.${dtype//[:\/]/_}.log")"
   else
-    echo "emulation $dtype FAILED:"; tail -30 "$EMU.${dtype%%:*}.log"; fails=$((fails + 1))
+    echo "emulation $dtype FAILED:"; tail -30 "$EMU.${dtype//[:\/]/_}.log"; fails=$((fails + 1))
   fi
 done
-stamp "Block-read kernels' emulation under ASan+UBSan"
-BEMU="$BUILD/emulate_block_kernels"
-build_emulator emulate_block_kernels
-if "$BEMU" > "$BEMU.log" 2>&1; then
+if wait $block_run; then
   echo "block-read emulation: $(tail -1 "$BEMU.log")"
 else
   echo "block-read emulation FAILED:"; grep -v '^ok' "$BEMU.log" | tail -30; fails=$((fails + 1))

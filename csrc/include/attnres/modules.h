@@ -150,7 +150,9 @@ TORCH_MODULE(AttnResResidual);
 // With declared readers a Block stream defers an output's add into the
 // partial sum to the next read, whose merge adds it (the fused prefix add,
 // docs/design.md §12); anything else that needs the sum adds it first, in
-// the grad and inference modes of the append.
+// the grad and inference modes of the append. So an appended output must not
+// be changed in place, and one stream is not read from two threads at once
+// (a const read may add or consume the deferred output).
 // A DepthStream is a small value: copying it (or clone()) shares the tensors
 // and copies the lists, so appending to the copy leaves the original as it is
 // (what activation checkpointing needs). Its tensors are sources(); a stream

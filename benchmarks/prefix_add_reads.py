@@ -1,0 +1,157 @@
+"""Per-call time of a Block read with the sublayer's add, fused or not
+(docs/design.md §12), at decode and prefill sizes.
+
+  python benchmarks/prefix_add_reads.py     # writes benchmarks/results/prefix_add_reads_<machine>.md
+  python benchmarks/prefix_add_reads.py --quick   # a dry run: few sizes and calls, no file
+
+What one sublayer's read costs in a Block model: its output f joins the
+partial block sum P (P' = P + f) and the next read reads the completed
+sources and P'. Variants, per shape (T tokens of width D, N completed
+sources, fp32, one stream's layout):
+  - torch.add        P + f alone: the one-dispatcher-call floor;
+  - one-call         P + f, then attnres.depth_attention over the N sources and P';
+  - merge            P + f, then attnres.block_read_merge (phase 2) over P';
+  - fused merge      attnres.block_read_merge(..., delta=f): the add inside the merge.
+Phase 1 (once per block) is not timed: it is shared by the block's reads.
+"no grad" runs under torch.no_grad; "with grad" is forward + backward
+(torch.autograd.grad of a loss on h and P' with respect to every input
+that requires grad: the sources, P, f, the query and gain), against the same
+for torch.add. At D = 7168 every row is timed with 1 and 2 threads. The
+variants run interleaved (rounds of calls, the order rotated); per-call
+medians are compared as ratios in one run. No timing is a pass/fail criterion.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import attnres
+
+RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))
+import bench  # noqa: E402  (git_state)
+import block_reads  # noqa: E402  (machine_name, load_footer, write_results)
+
+
+def problem(T, D, N, grad):
+    g = torch.Generator().manual_seed(T * 7 + D + N)
+    completed = [torch.randn(T, D, generator=g) for _ in range(N)]
+    P, f = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    queries = torch.randn(2, D, generator=g) / D ** 0.5
+    gains = torch.rand(2, D, generator=g) + 0.5
+    with torch.no_grad():
+        partials, lse = attnres.block_reads(completed, queries, gains)
+    t = dict(completed=completed, P=P, f=f, query=queries[1].clone(), gain=gains[1].clone(),
+             partial=partials[1], lse=lse[1])
+    if grad:
+        for k in ("P", "f", "query", "gain", "partial", "lse"):
+            t[k].requires_grad_(True)
+        for c in completed:
+            c.requires_grad_(True)
+    return t
+
+
+def variants(t, grad):
+    """name -> a call doing one read (and its backward with grad)."""
+    w_h, w_p = torch.randn_like(t["P"]), torch.randn_like(t["P"])
+    leaves = [t[k] for k in ("P", "f", "query", "gain")]
+
+    def finish(h, P_next, extra=()):
+        if grad:
+            torch.autograd.grad((h * w_h).sum() + (P_next * w_p).sum(), [*leaves, *extra])
+
+    def add():
+        P_next = t["P"] + t["f"]
+        if grad:
+            torch.autograd.grad((P_next * w_p).sum(), [t["P"], t["f"]])
+
+    def one_call():
+        P_next = t["P"] + t["f"]
+        finish(attnres.depth_attention([*t["completed"], P_next], t["query"], t["gain"]), P_next,
+               t["completed"])
+
+    def merge():
+        P_next = t["P"] + t["f"]
+        finish(attnres.block_read_merge(t["partial"], t["lse"], P_next, t["query"], t["gain"]),
+               P_next, [t["partial"], t["lse"]])
+
+    def fused():
+        h, P_next = attnres.block_read_merge(t["partial"], t["lse"], t["P"], t["query"], t["gain"],
+                                             delta=t["f"])
+        finish(h, P_next, [t["partial"], t["lse"]])
+
+    return {"torch.add": add, "one-call": one_call, "merge": merge, "fused merge": fused}
+
+
+def per_call(fns, calls, rounds):
+    """Median seconds per call of each function: `rounds` rounds of `calls`
+    calls each, the order rotated every round."""
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="few sizes and calls (dry run), no file")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args()
+    tokens, widths, Ns = ([1, 16], [64], [3]) if args.quick else ([1, 4, 16, 256], [1024, 7168], [3, 9])
+    rounds = 3 if args.quick else args.rounds
+    machine = block_reads.machine_name()
+    load_before = os.getloadavg()
+    threads0 = torch.get_num_threads()
+    out = ["# A Block read with its add, fused or not", "",
+           f"Machine: {machine}; torch {torch.__version__}; {bench.git_state()}; command: "
+           f"`python benchmarks/prefix_add_reads.py{' --quick' if args.quick else ''}`", "",
+           "fp32; per-call medians (us) of interleaved rounds; ratios to torch.add (P + f alone) "
+           "in the same run. \"fused / merge\": the fused merge over P + f then the merge.", "",
+           "| grad | T | D | N | threads | torch.add us | one-call us | merge us | fused merge us "
+           "| one-call / add | merge / add | fused / add | fused / merge |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for grad in (False, True):
+        for D in widths:
+            for T in tokens:
+                for N in Ns:
+                    for threads in ([1, 2] if D >= 7168 else [threads0]):
+                        torch.set_num_threads(threads)
+                        t = problem(T, D, N, grad)
+                        with torch.set_grad_enabled(grad):
+                            fns = variants(t, grad)
+                            for fn in fns.values():  # first touches
+                                fn(), fn()
+                            # about 20 ms a round and variant
+                            calls = 5 if args.quick else max(5, min(2000, int(2e6 / (T * D))))
+                            med = per_call(fns, calls, rounds)
+                        a = med["torch.add"]
+                        row = (f"| {'with' if grad else 'no'} | {T} | {D} | {N} | {threads} | "
+                               f"{1e6 * a:.1f} | {1e6 * med['one-call']:.1f} | "
+                               f"{1e6 * med['merge']:.1f} | {1e6 * med['fused merge']:.1f} | "
+                               f"{med['one-call'] / a:.2f} | {med['merge'] / a:.2f} | "
+                               f"{med['fused merge'] / a:.2f} | "
+                               f"{med['fused merge'] / med['merge']:.3f} |")
+                        out.append(row)
+                        print(row, flush=True)
+    torch.set_num_threads(threads0)
+    out.append(block_reads.load_footer(load_before, os.getloadavg(),
+                                       "this script keeps up to 2 threads busy"))
+    if not args.quick:
+        block_reads.write_results(out, args.out_dir, "prefix_add_reads", machine)
+
+
+if __name__ == "__main__":
+    main()
