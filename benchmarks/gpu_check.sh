@@ -247,13 +247,19 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
             qs = torch.stack([q, 0.5 * q]).to(dev)
             with torch.no_grad():
                 parts, lse = attnres.block_reads(s_, qs, None, eps=1e-6)
-            y, r, a, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8)
+            y, r, a, _, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8)
             b = torch.ops.attnres.block_read_merge_bwd(dh.to(dev), parts[1], s_[0], qs[1], None, r, a, 0.8, [True] * 5)
-            yn, rn, an, hn, ron = torch.ops.attnres.block_read_merge_fwd(
+            yn, rn, an, hn, ron, _ = torch.ops.attnres.block_read_merge_fwd(
                 parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8, ow.to(dev), 1e-5, True)
             bn = torch.ops.attnres.block_read_merge_bwd(
                 dh.to(dev), parts[1], s_[0], qs[1], None, rn, an, 0.8, [True] * 6, ow.to(dev), hn, ron)
-            outs.append([b[0], b[1], b[2], b[3], *bn[:4], bn[5]])
+            # The fused prefix add (design §12): P' = s_[0] + s_[-1] in the merge,
+            # P''s own gradient added to the block sum's.
+            yp, rp, ap, _, _, pp = torch.ops.attnres.block_read_merge_fwd(
+                parts[1], lse[1], s_[0], qs[1], None, 1e-6, 0.8, None, None, False, s_[-1])
+            bp = torch.ops.attnres.block_read_merge_bwd(
+                dh.to(dev), parts[1], pp, qs[1], None, rp, ap, 0.8, [True] * 5, None, None, None, dh.to(dev))
+            outs.append([b[0], b[1], b[2], b[3], *bn[:4], bn[5], yp, pp, *bp[:4]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= 2 * tol
         bad += not ok
@@ -619,9 +625,17 @@ for dtype, n, t, d, layout in cases:
     _, lse1, r1, a1, h1, ro1 = torch.ops.attnres.block_reads_fwd(x, qs, None, 1e-6, 1.0, ow, 1e-5, True)
     torch.ops.attnres.block_reads_bwd([x[0]] * 3, gl1, x, qs, None, r1, a1, 1.0, [True] * (n + 3), ow, h1, ro1)
     # Phase 2's backward, without and with out_weight (its gradient wanted or not).
-    y2, r2, a2, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
+    y2, r2, a2, _, _, _ = torch.ops.attnres.block_read_merge_fwd(parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0)
     torch.ops.attnres.block_read_merge_bwd(y2, parts[1], x[0], qs[1], None, r2, a2, 1.0, [True] * 5)
-    yn, rn, an, hn, ron = torch.ops.attnres.block_read_merge_fwd(
+    # ... and with the fused prefix add, forward, in place and backward.
+    y3, r3, a3, _, _, p3 = torch.ops.attnres.block_read_merge_fwd(
+        parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0, None, None, False, x[-1])
+    torch.ops.attnres.block_read_merge_bwd(y3, parts[1], p3, qs[1], None, r3, a3, 1.0, [True] * 5,
+                                           None, None, None, y3)
+    with torch.no_grad():
+        parts_again, lse_again = attnres.block_reads(x, qs, None)
+        block_read_merge_inplace(parts_again[2], lse_again[2], x[0], qs[2], delta=x[-1])
+    yn, rn, an, hn, ron, _ = torch.ops.attnres.block_read_merge_fwd(
         parts[1], lse[1], x[0], qs[1], None, 1e-6, 1.0, ow, 1e-5, True)
     for want_ow in (True, False):
         torch.ops.attnres.block_read_merge_bwd(

@@ -790,6 +790,20 @@ TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenMergeBitForBit) {
   EXPECT_TRUE(at::equal(stream.sources().back(), f1 + f2));
   EXPECT_TRUE(at::equal(copy.sources().back(), f1 + f2));
   EXPECT_EQ(stream.num_sources(), 2);
+  // With a graph: the read after f2 takes it in its merge, so the partial
+  // sum it leaves is the merge's P' output (not an add's), equal to f1 + f2.
+  const at::Tensor g1 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor g2 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
+  attnres::DepthStream trained(at::randn({2, kD}, at::kDouble), 4,
+                               attnres::BlockReads::kTwoPhase, readers);
+  readers[0](trained);
+  trained.append(g1 * 1.0);
+  readers[1](trained);
+  trained.append(g2 * 1.0);
+  readers[2](trained);
+  const at::Tensor partial = trained.sources().back();
+  EXPECT_THAT(partial.grad_fn()->name(), HasSubstr("MergeFunction"));
+  EXPECT_TRUE(at::equal(partial, g1 + g2));
 }
 
 // kAuto reads two-phase from the third completed source on, the reads

@@ -345,6 +345,26 @@ def test_block_reads_benchmark_quick():
     proc = subprocess.run([sys.executable, str(script), "--gpt-only", "--reads-only"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "not allowed with" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(script), "--gpt-train"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "--gpt-train goes with --gpt-only" in proc.stderr
+
+
+def test_prefix_add_reads_benchmark_quick():
+    # Runs end to end (no results file with --quick): a row per (grad, T),
+    # every time and ratio positive (the fused merge's equality with the
+    # unfused one is test_prefix_add.py's).
+    script = ROOT / "benchmarks" / "prefix_add_reads.py"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r.split("|")[1:-1] for r in proc.stdout.splitlines()
+            if r.startswith("| no |") or r.startswith("| with |")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("no", "1"), ("no", "16"), ("with", "1"), ("with", "16")]
+    assert all(len(r) == 13 and all(float(c) > 0 for c in r[5:]) for r in rows), rows
 
 
 def test_read_host_time_benchmark(tmp_path):

@@ -300,6 +300,21 @@ def test_the_stream_fuses_in_every_mode(mode, monkeypatch):
     assert (calls.merges, calls.fused) == (7, 4)
 
 
+def test_the_partial_sum_after_a_fused_read_is_the_merges_output():
+    readers, _ = make_stack(3, 8, torch.float64, seed=6)
+    f1, f2 = (torch.randn(2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    stream = attnres.DepthStream(torch.randn(2, 8, dtype=torch.float64), block_size=4,
+                                 block_reads="two_phase", readers=readers)
+    readers[0](stream)
+    stream.append(f1 * 1.0)
+    readers[1](stream)
+    stream.append(f2 * 1.0)
+    readers[2](stream)
+    partial = stream.sources[-1]
+    assert "MergeFunction" in partial.grad_fn.name()
+    assert torch.equal(partial, f1 + f2)
+
+
 def test_block_sum_output_needs_no_gradient_when_its_inputs_need_none():
     p = merge_problem(torch.float32, lead=(3,), D=8, seed=11)
     q = p["query"].clone().requires_grad_()
