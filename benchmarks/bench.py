@@ -494,7 +494,7 @@ class _PythonAutogradDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, gain, *sources):
         with torch._C._AutoDispatchBelowAutograd():
-            h, rstd, weights, _, _ = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
+            h, rstd, weights, _, _, _ = torch.ops.attnres.depth_attention_fwd(list(sources), query, gain, 1e-6, 1.0)
         ctx.save_for_backward(*sources, query, gain, h, rstd, weights)
         return h
 

@@ -216,9 +216,13 @@ for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat1
         outs = []
         for dev in ("cpu", DEV):
             s_, q_, w_, ow_ = [s.to(dev) for s in src], q.to(dev), w.to(dev), ow.to(dev)
-            y, r, a, h, ro = torch.ops.attnres.depth_attention_fwd(s_, q_, w_, 1e-6, 0.8, ow_, 1e-5, True)
+            y, r, a, h, ro, _ = torch.ops.attnres.depth_attention_fwd(s_, q_, w_, 1e-6, 0.8, ow_, 1e-5, True)
             b = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, s_, q_, w_, h, r, a, 0.8, [True] * (n + 3), ow_, ro)
-            outs.append([y, h, ro, *b[0], b[1], b[2], b[3]])
+            # The one-call read's prefix add (design §12): P' = s_[-1] + dh read
+            # last, P''s own gradient added to its gradient.
+            yp, rp, ap, _, _, pp = torch.ops.attnres.depth_attention_fwd(s_, q_, w_, 1e-6, 0.8, None, None, False, dh.to(dev))
+            bp = torch.ops.attnres.depth_attention_bwd(dh.to(dev), None, [*s_[:-1], pp], q_, w_, yp, rp, ap, 0.8, [True] * (n + 2), None, None, dh.to(dev))
+            outs.append([y, h, ro, *b[0], b[1], b[2], b[3], yp, pp, *bp[0], bp[1], bp[2]])
         errs = [((c.double().cpu() - a.double()).norm() / a.double().norm().clamp_min(1e-300)).item() for a, c in zip(*outs)]
         ok = max(errs) <= 2 * tol
         bad += not ok
@@ -605,10 +609,13 @@ for dtype, n, t, d, layout in cases:
     # weight's gradient wanted or not).
     ow = (1 + 0.1 * torch.randn(d, generator=g)).to(pd).to(dev)
     x = [s.detach() for s in srcs]
-    y, r, a, hk, ro = torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, ow, 1e-5, True)
+    y, r, a, hk, ro, _ = torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, ow, 1e-5, True)
     torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, ow, 1e-5, False)
     for want_ow in (True, False):
         torch.ops.attnres.depth_attention_bwd(y, None, x, q.detach(), w.detach(), hk, r, a, 1.0, [True] * (n + 2) + [want_ow], ow, ro)
+    # The one-call read with the fused prefix add (P' = x[-1] + x[0]).
+    yp, rp, ap, _, _, pp = torch.ops.attnres.depth_attention_fwd(x, q.detach(), w.detach(), 1e-6, 1.0, None, None, False, x[0])
+    torch.ops.attnres.depth_attention_bwd(yp, None, [*x[:-1], pp], q.detach(), w.detach(), yp, rp, ap, 1.0, [True] * (n + 2), None, None, yp)
     # The two-phase Block reads' kernels: phase 1 of 3 readers
     # (reader 0 with out_weight, h kept), phase 2 out of place (with
     # out_weight) and in place.

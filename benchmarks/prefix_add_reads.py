@@ -10,6 +10,7 @@ sources and P'. Variants, per shape (T tokens of width D, N completed
 sources, fp32, one stream's layout):
   - torch.add        P + f alone: the one-dispatcher-call floor;
   - one-call         P + f, then attnres.depth_attention over the N sources and P';
+  - fused one-call   attnres.depth_attention(N sources and P, delta=f): the add inside the read;
   - merge            P + f, then attnres.block_read_merge (phase 2) over P';
   - fused merge      attnres.block_read_merge(..., delta=f): the add inside the merge.
 Phase 1 (once per block) is not timed: it is shared by the block's reads.
@@ -76,6 +77,11 @@ def variants(t, grad):
         finish(attnres.depth_attention([*t["completed"], P_next], t["query"], t["gain"]), P_next,
                t["completed"])
 
+    def fused_one_call():
+        h, P_next = attnres.depth_attention([*t["completed"], t["P"]], t["query"], t["gain"],
+                                            delta=t["f"])
+        finish(h, P_next, t["completed"])
+
     def merge():
         P_next = t["P"] + t["f"]
         finish(attnres.block_read_merge(t["partial"], t["lse"], P_next, t["query"], t["gain"]),
@@ -86,7 +92,8 @@ def variants(t, grad):
                                              delta=t["f"])
         finish(h, P_next, [t["partial"], t["lse"]])
 
-    return {"torch.add": add, "one-call": one_call, "merge": merge, "fused merge": fused}
+    return {"torch.add": add, "one-call": one_call, "fused one-call": fused_one_call,
+            "merge": merge, "fused merge": fused}
 
 
 def per_call(fns, calls, rounds):
@@ -119,10 +126,12 @@ def main() -> None:
            f"Machine: {machine}; torch {torch.__version__}; {bench.git_state()}; command: "
            f"`python benchmarks/prefix_add_reads.py{' --quick' if args.quick else ''}`", "",
            "fp32; per-call medians (us) of interleaved rounds; ratios to torch.add (P + f alone) "
-           "in the same run. \"fused / merge\": the fused merge over P + f then the merge.", "",
-           "| grad | T | D | N | threads | torch.add us | one-call us | merge us | fused merge us "
-           "| one-call / add | merge / add | fused / add | fused / merge |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "in the same run. \"fused 1c / 1c\": the fused one-call read over P + f then the "
+           "one-call read; \"fused m / m\": the same for the merge.", "",
+           "| grad | T | D | N | threads | torch.add us | one-call us | fused one-call us "
+           "| merge us | fused merge us | one-call / add | fused one-call / add | merge / add "
+           "| fused merge / add | fused 1c / 1c | fused m / m |",
+           "|---|---:|---:|---:|---:|" + "---:|" * 11]
     for grad in (False, True):
         for D in widths:
             for T in tokens:
@@ -138,12 +147,13 @@ def main() -> None:
                             calls = 5 if args.quick else max(5, min(2000, int(2e6 / (T * D))))
                             med = per_call(fns, calls, rounds)
                         a = med["torch.add"]
-                        row = (f"| {'with' if grad else 'no'} | {T} | {D} | {N} | {threads} | "
-                               f"{1e6 * a:.1f} | {1e6 * med['one-call']:.1f} | "
-                               f"{1e6 * med['merge']:.1f} | {1e6 * med['fused merge']:.1f} | "
-                               f"{med['one-call'] / a:.2f} | {med['merge'] / a:.2f} | "
-                               f"{med['fused merge'] / a:.2f} | "
-                               f"{med['fused merge'] / med['merge']:.3f} |")
+                        reads = ("one-call", "fused one-call", "merge", "fused merge")
+                        row = " | ".join(
+                            [f"| {'with' if grad else 'no'}", str(T), str(D), str(N), str(threads),
+                             f"{1e6 * a:.1f}", *(f"{1e6 * med[k]:.1f}" for k in reads),
+                             *(f"{med[k] / a:.2f}" for k in reads),
+                             f"{med['fused one-call'] / med['one-call']:.3f}",
+                             f"{med['fused merge'] / med['merge']:.3f} |"])
                         out.append(row)
                         print(row, flush=True)
     torch.set_num_threads(threads0)

@@ -96,10 +96,12 @@ at::Tensor OutNormGrads::grad() const {
 ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
                           const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
                           double eps, double scale, const std::optional<at::Tensor>& out_weight,
-                          std::optional<double> out_eps, bool keep_h) {
+                          std::optional<double> out_eps, bool keep_h,
+                          const std::optional<at::Tensor>& delta) {
   const DepthProblem p = check_forward_args(sources, query, norm_weight, eps, scale);
   const double norm_eps = resolve_out_eps(out_eps, eps);
   if (is_defined(out_weight)) check_out_norm_args(*out_weight, norm_eps, sources, p);
+  if (delta) check_like(*delta, "delta", sources.back(), "the last source's");
   if (kernels.check_supported) kernels.check_supported(p);
   const at::Tensor& src0 = sources[0];
   const c10::DeviceGuard guard(src0.device());
@@ -108,13 +110,19 @@ ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
   at::Tensor out = detail::empty_cached(src0.sizes(), src0.options());
   at::Tensor rstd = at::empty(p.stat_shape(), src0.options().dtype(acc));
   at::Tensor weights = at::empty(p.stat_shape(), src0.options().dtype(acc));
+  // The prefix add's P' (§12): the last source's rows, contiguous.
+  at::Tensor sum = delta ? at::empty(src0.sizes(),
+                                     src0.options().memory_format(at::MemoryFormat::Contiguous))
+                         : at::empty({0}, src0.options());
   if (p.T > 0) {
     const at::Tensor u = effective_query(query, norm_weight, scale, acc);
+    const PrefixAdd prefix{delta ? *delta : sum, sum};
     ForwardCall call{p, sources, u, eps, out, rstd, weights};
     call.out_norm = norm.kernel();
+    if (delta) call.prefix = &prefix;
     kernels.forward(call);
   }
-  return {out, rstd, weights, norm.h, norm.rstd};
+  return {out, rstd, weights, norm.h, norm.rstd, sum};
 }
 
 BackwardResult run_backward(const DeviceKernels& kernels,
@@ -125,10 +133,14 @@ BackwardResult run_backward(const DeviceKernels& kernels,
                             const at::Tensor& rstd, const at::Tensor& weights, double scale,
                             const c10::List<bool>& output_mask,
                             const std::optional<at::Tensor>& out_weight,
-                            const std::optional<at::Tensor>& out_rstd) {
+                            const std::optional<at::Tensor>& out_rstd,
+                            const std::optional<at::Tensor>& grad_prefix_out) {
   const DepthProblem p = check_backward_args(grad_out, grad_weights, sources, query, norm_weight,
                                              h, rstd, weights, scale, output_mask, out_weight,
                                              out_rstd);
+  if (is_defined(grad_prefix_out)) {
+    check_like(*grad_prefix_out, "grad_prefix_out", sources.back(), "the last source's");
+  }
   if (kernels.check_supported) kernels.check_supported(p);
   const at::Tensor& src0 = sources[0];
   const c10::DeviceGuard guard(src0.device());
@@ -156,6 +168,9 @@ BackwardResult run_backward(const DeviceKernels& kernels,
     BackwardCall call{p, dh, gw, sources, u, h, rstd_c, weights_c, grads, z};
     call.out_norm = norm.kernel();
     kernels.backward(call);
+    // P''s own gradient (the prefix add, §12) joins the read's: one add,
+    // as autograd would sum the two (the same rounding).
+    if (is_defined(grad_prefix_out) && grads.back().defined()) grads.back().add_(*grad_prefix_out);
   }
   auto [wanted, grad_query, grad_gain] =
       finish_backward(grads, z, query, norm_weight, scale, want_query, want_gain);
@@ -186,9 +201,10 @@ DepthAttentionForward depth_attention_fwd(at::TensorList sources, const at::Tens
                                           const std::optional<at::Tensor>& norm_weight,
                                           double eps, double scale,
                                           const std::optional<at::Tensor>& out_weight,
-                                          std::optional<double> out_eps, bool keep_h) {
+                                          std::optional<double> out_eps, bool keep_h,
+                                          const std::optional<at::Tensor>& delta) {
   return call_op<DepthAttentionFwdOp>(sources, query, norm_weight, eps, scale, out_weight,
-                                      out_eps, keep_h);
+                                      out_eps, keep_h, delta);
 }
 
 DepthAttentionBackward depth_attention_bwd(
@@ -196,9 +212,10 @@ DepthAttentionBackward depth_attention_bwd(
     at::TensorList sources, const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
     const at::Tensor& h, const at::Tensor& rstd, const at::Tensor& weights, double scale,
     const c10::List<bool>& output_mask, const std::optional<at::Tensor>& out_weight,
-    const std::optional<at::Tensor>& out_rstd) {
+    const std::optional<at::Tensor>& out_rstd, const std::optional<at::Tensor>& grad_prefix_out) {
   return call_op<DepthAttentionBwdOp>(grad_out, grad_weights, sources, query, norm_weight, h,
-                                      rstd, weights, scale, output_mask, out_weight, out_rstd);
+                                      rstd, weights, scale, output_mask, out_weight, out_rstd,
+                                      grad_prefix_out);
 }
 
 at::Tensor depth_attention(at::TensorList sources, const at::Tensor& query,

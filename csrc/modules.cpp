@@ -19,6 +19,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "attnres/block_reads.h"
 #include "attnres/ops.h"
@@ -127,6 +128,32 @@ void DepthStream::settle() const {
   pending_ = at::Tensor();
 }
 
+std::optional<at::Tensor> DepthStream::take_pending() const {
+  if (pending_.defined() && (pending_grad_ != at::GradMode::is_enabled() ||
+                             pending_inference_ != c10::InferenceMode::is_enabled())) {
+    settle();
+  }
+  if (!pending_.defined()) return std::nullopt;
+  return std::exchange(pending_, at::Tensor());
+}
+
+at::Tensor DepthStream::read_one_call(AttnResResidualImpl& reader) const {
+  const std::optional<at::Tensor> delta = take_pending();
+  if (!delta) return reader.read_one_call(*this);
+  std::vector<at::Tensor> sources = completed_;
+  sources.push_back(partial_);
+  try {
+    auto result = depth_attention_fwd(sources, reader.query, reader.gain_or_none(),
+                                      reader.options.eps(), 1.0, reader.out_weight_or_none(),
+                                      reader.options.out_eps(), /*keep_h=*/false, delta);
+    partial_ = std::get<5>(result);
+    return std::get<0>(result);
+  } catch (...) {
+    pending_ = *delta;  // a failed read leaves the stream as it was
+    throw;
+  }
+}
+
 std::vector<at::Tensor> DepthStream::sources() const {
   settle();
   std::vector<at::Tensor> out = completed_;
@@ -191,12 +218,11 @@ void DepthStream::check_declared(const AttnResResidualImpl& reader) const {
 at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   if (!readers_.empty()) check_declared(reader);
   const int64_t num_completed = static_cast<int64_t>(completed_.size());
-  if (!block_size_ || !two_phase(num_completed)) return reader.read_one_call(*this);
+  if (!block_size_ || !two_phase(num_completed)) return read_one_call(reader);
   detail::BlockReadState& state = *reads_;
   const int64_t pos = in_partial_;
   const bool grad = at::GradMode::is_enabled();
-  const std::optional<at::Tensor> gain =
-      reader.norm_weight.defined() ? std::optional<at::Tensor>(reader.norm_weight) : std::nullopt;
+  const std::optional<at::Tensor> gain = reader.gain_or_none();
   if (pos == 0) {
     std::vector<const AttnResResidualImpl*> readers{&reader};
     const int64_t end = std::min<int64_t>(num_outputs_ + *block_size_, readers_.size());
@@ -236,20 +262,14 @@ at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
       pos >= static_cast<int64_t>(it->second.readers.size()) ||
       it->second.readers[pos] != &reader || !it->second.partials[pos].defined() ||
       (grad && !it->second.with_grad)) {
-    return reader.read_one_call(*this);
+    return read_one_call(reader);
   }
   // Phase 2 fuses the reader's output norm when it has one (§11). Out of
   // place when either side has a graph (under no_grad the result has none),
   // or for an inference tensor outside inference mode (it cannot be written).
   // The last output joins the partial sum inside the merge (§12) when the
   // read runs in the modes of its append; otherwise it is added first.
-  if (pending_.defined() && (pending_grad_ != grad ||
-                             pending_inference_ != c10::InferenceMode::is_enabled())) {
-    settle();
-  }
-  const std::optional<at::Tensor> delta =
-      pending_.defined() ? std::optional<at::Tensor>(std::move(pending_)) : std::nullopt;
-  pending_ = at::Tensor();
+  const std::optional<at::Tensor> delta = take_pending();
   const at::Tensor& y = it->second.partials[pos];
   try {
     if (grad || it->second.with_grad ||
@@ -356,10 +376,8 @@ void AttnResResidualImpl::check_width(const DepthStream& stream) const {
 }
 
 at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
-  const auto gain =
-      norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
-  return depth_attention(stream.sources(), query, gain, options.eps(), 1.0, out_weight_or_none(),
-                         options.out_eps());
+  return depth_attention(stream.sources(), query, gain_or_none(), options.eps(), 1.0,
+                         out_weight_or_none(), options.out_eps());
 }
 
 at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {
@@ -381,9 +399,7 @@ bool AttnResResidualImpl::can_share_phase_one(const AttnResResidualImpl& other) 
 std::tuple<at::Tensor, at::Tensor> AttnResResidualImpl::forward_with_weights(
     const DepthStream& stream) {
   check_width(stream);
-  const auto gain =
-      norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
-  return depth_attention_with_weights(stream.sources(), query, gain, options.eps(), 1.0,
+  return depth_attention_with_weights(stream.sources(), query, gain_or_none(), options.eps(), 1.0,
                                       out_weight_or_none(), options.out_eps());
 }
 

@@ -22,10 +22,14 @@ TORCH_LIBRARY(attnres, m) {
   // Forward: h = sum_i softmax_i(scale * <query, RMSNorm(v_i) * gain>) v_i.
   // Returns out (h, or y) and the per-token statistics the backward needs:
   // rstd [N, ...] and the softmax weights [N, ...] (fp32, fp64 for fp64).
+  // The second optional part, delta, fuses the prefix add (docs/design.md
+  // §12): the last source is then the partial block sum P and the read is
+  // over P' = P + delta instead, returned as prefix_out (empty without).
   m.def(
       "depth_attention_fwd(Tensor[] sources, Tensor query, Tensor? norm_weight, float eps, "
-      "float scale, Tensor? out_weight=None, float? out_eps=None, bool keep_h=False) -> "
-      "(Tensor out, Tensor rstd, Tensor weights, Tensor h, Tensor out_rstd)");
+      "float scale, Tensor? out_weight=None, float? out_eps=None, bool keep_h=False, "
+      "Tensor? delta=None) -> (Tensor out, Tensor rstd, Tensor weights, Tensor h, "
+      "Tensor out_rstd, Tensor prefix_out)");
   // Backward, from the gradients of out and of the weights (either may be
   // absent): gradients of the sources, the query, the gain (for an absent
   // gain, the gradient of an implicit all-ones gain) and out_weight. h is
@@ -35,13 +39,15 @@ TORCH_LIBRARY(attnres, m) {
   // N + 3 with out_weight, as ATen's native backward ops take: a gradient
   // that is not asked for is not computed. grad_sources holds the wanted
   // source gradients only, in source order; an unwanted parameter gradient
-  // comes back undefined (None).
+  // comes back undefined (None). With the prefix add the last source is
+  // the forward's P' (prefix_out) and grad_prefix_out, P''s own gradient,
+  // is added to its gradient (then the gradient of both P and delta).
   m.def(
       "depth_attention_bwd(Tensor? grad_out, Tensor? grad_weights, Tensor[] sources, "
       "Tensor query, Tensor? norm_weight, Tensor h, Tensor rstd, Tensor weights, float scale, "
-      "bool[] output_mask, Tensor? out_weight=None, Tensor? out_rstd=None) -> "
-      "(Tensor[] grad_sources, Tensor grad_query, Tensor grad_norm_weight, "
-      "Tensor grad_out_weight)");
+      "bool[] output_mask, Tensor? out_weight=None, Tensor? out_rstd=None, "
+      "Tensor? grad_prefix_out=None) -> (Tensor[] grad_sources, Tensor grad_query, "
+      "Tensor grad_norm_weight, Tensor grad_out_weight)");
   // Two-phase Block reads (docs/design.md §10). Phase 1: the N completed
   // sources read once for the S readers of a block (queries [S, D]): each
   // reader's softmax-weighted average over them (S tensors [..., D]) and

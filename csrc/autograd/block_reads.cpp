@@ -115,10 +115,12 @@ class MergeFunction : public torch::autograd::Function<MergeFunction> {
     ctx->saved_data["has_gain"] = is_defined(norm_weight);
     ctx->saved_data["prefix"] = prefix;
     const at::Tensor h_out = normed && !keep_h ? at::empty({0}, h.options()) : h;
-    ctx->mark_non_differentiable({rstd, weight, h_out, out_rstd});
-    // P' has a gradient only when the block sum or delta can take one.
+    // P' has a gradient only when the block sum or delta can take one. (One
+    // call: each mark_non_differentiable replaces the set.)
     if (!prefix || !(block_sum.requires_grad() || delta->requires_grad())) {
-      ctx->mark_non_differentiable({sum});
+      ctx->mark_non_differentiable({rstd, weight, h_out, out_rstd, sum});
+    } else {
+      ctx->mark_non_differentiable({rstd, weight, h_out, out_rstd});
     }
     ctx->set_materialize_grads(false);
     return {out, rstd, weight, h_out, out_rstd, sum};

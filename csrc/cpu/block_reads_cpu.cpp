@@ -201,18 +201,6 @@ bool row_stats_many(const scalar_t* v, const acc_t* const* u, int64_t count, int
   return true;
 }
 
-// Rows of a tensor [..., D] (strided rows used in place; as_rows copies the
-// layouts that do not collapse).
-template <typename scalar_t>
-struct RowsOf {
-  Rows rows;
-  const scalar_t* ptr;
-  explicit RowsOf(const at::Tensor& t) : rows(as_rows(t)) {
-    ptr = rows.tensor.template const_data_ptr<scalar_t>();
-  }
-  const scalar_t* row(int64_t t) const { return ptr + t * rows.row_stride; }
-};
-
 // Token chunks of the parameter-gradient partial sums: fixed by the shape
 // only (never by the thread count), so the fixed-order sum of the chunks'
 // rows is bitwise reproducible. At most ~16 MiB of partial rows.
@@ -583,27 +571,6 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
 }
 
 // ---- phase 2 ----------------------------------------------------------------
-
-// dst = a + b elementwise, each sum rounded to scalar_t once from the
-// accumulation type, as torch.add rounds (the fused prefix add P' = P +
-// delta, and its gradient's dP + dP'); dst may be a.
-template <typename scalar_t>
-void row_add(scalar_t* dst, const scalar_t* a, const scalar_t* b, int64_t D) {
-  using acc_t = at::opmath_type<scalar_t>;
-  using L = Lanes<scalar_t>;
-  using AVec = typename L::AVec;
-  int64_t j = 0;
-  for (; j + L::kStep <= D; j += L::kStep) {
-    AVec av[L::kParts], bv[L::kParts];
-    L::load(a + j, av);
-    L::load(b + j, bv);
-    for (int k = 0; k < L::kParts; ++k) av[k] = av[k] + bv[k];
-    L::store(dst + j, av);
-  }
-  for (; j < D; ++j) {
-    dst[j] = static_cast<scalar_t>(static_cast<acc_t>(a[j]) + static_cast<acc_t>(b[j]));
-  }
-}
 
 template <typename scalar_t>
 void merge_forward_impl(const MergeForwardCall& call) {

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -404,8 +405,20 @@ void pivot_row_dots(const scalar_t* v, const scalar_t* h, const acc_t* dh,
   dot_dh_rest = sc;
 }
 
+// The fused prefix add (docs/design.md §12): P (the last source as given)
+// and delta as rows, and P' to fill, which the read then takes as its last
+// source.
 template <typename scalar_t>
-void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
+struct PrefixRows {
+  RowsOf<scalar_t> p, delta;
+  scalar_t* sum;
+  PrefixRows(const at::Tensor& p_, const PrefixAdd& add)
+      : p(p_), delta(add.delta), sum(add.sum.data_ptr<scalar_t>()) {}
+};
+
+template <typename scalar_t>
+void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call,
+                  const PrefixRows<scalar_t>* prefix) {
   using acc_t = at::opmath_type<scalar_t>;
   const DepthProblem& p = call.problem;
   const int64_t N = p.N, D = p.D, T = p.T;
@@ -432,6 +445,11 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call) {
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t n_tok = std::min(tile, end - t0);
       std::fill(rescued.begin(), rescued.end(), 0);
+      // The tile's P' rows first: the source sweeps then read them from L2.
+      for (int64_t k = 0; prefix && k < n_tok; ++k) {
+        const int64_t t = t0 + k;
+        row_add(prefix->sum + t * D, prefix->p.row(t), prefix->delta.row(t), D);
+      }
       for (int64_t i = 0; i < N; ++i) {
         // Token k's step of the weighted sum is done in the sweep of token
         // k+1's row (row_two_dots' companion), the last one on its own.
@@ -945,7 +963,14 @@ void forward(const ForwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
-        forward_impl<scalar_t>(src, call);
+        std::optional<PrefixRows<scalar_t>> prefix;
+        if (call.prefix) {
+          // The read's last source is P', formed tile by tile.
+          prefix.emplace(call.sources.back(), *call.prefix);
+          src.ptr.back() = prefix->sum;
+          src.stride.back() = call.problem.D;
+        }
+        forward_impl<scalar_t>(src, call, prefix ? &*prefix : nullptr);
       });
 }
 

@@ -10,6 +10,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "attnres/depth_math.h"
+#include "attnres/row_layout.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -144,6 +145,39 @@ void row_average_kept_finite(acc_t* out, const scalar_t* const* rows, const acc_
       sum += static_cast<wide_t>(w[i]) * static_cast<wide_t>(static_cast<acc_t>(rows[i][j]));
     }
     out[j] = static_cast<acc_t>(math::keep_finite<acc_t>(sum));
+  }
+}
+
+// Rows of a tensor [..., D] (strided rows used in place; as_rows copies the
+// layouts that do not collapse).
+template <typename scalar_t>
+struct RowsOf {
+  Rows rows;
+  const scalar_t* ptr;
+  explicit RowsOf(const at::Tensor& t) : rows(as_rows(t)) {
+    ptr = rows.tensor.template const_data_ptr<scalar_t>();
+  }
+  const scalar_t* row(int64_t t) const { return ptr + t * rows.row_stride; }
+};
+
+// dst = a + b elementwise, each sum rounded to scalar_t once from the
+// accumulation type, as torch.add rounds (the fused prefix add P' = P +
+// delta of a read, and the merge gradient's dP + dP'); dst may be a.
+template <typename scalar_t>
+void row_add(scalar_t* dst, const scalar_t* a, const scalar_t* b, int64_t D) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using L = Lanes<scalar_t>;
+  using AVec = typename L::AVec;
+  int64_t j = 0;
+  for (; j + L::kStep <= D; j += L::kStep) {
+    AVec av[L::kParts], bv[L::kParts];
+    L::load(a + j, av);
+    L::load(b + j, bv);
+    for (int k = 0; k < L::kParts; ++k) av[k] = av[k] + bv[k];
+    L::store(dst + j, av);
+  }
+  for (; j < D; ++j) {
+    dst[j] = static_cast<scalar_t>(static_cast<acc_t>(a[j]) + static_cast<acc_t>(b[j]));
   }
 }
 

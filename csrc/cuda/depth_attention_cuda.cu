@@ -13,6 +13,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -54,10 +55,20 @@ void forward(const ForwardCall& call) {
   const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  // The prefix add (docs/design.md §12): P' = P + delta by one add on the
+  // stream, then read as the last source (not yet fused into the read's
+  // prologue on CUDA; the phase-2 merge fuses it).
+  std::vector<at::Tensor> with_sum;
+  if (call.prefix) {
+    at::add_out(call.prefix->sum, call.sources.back(), call.prefix->delta);
+    with_sum.assign(call.sources.begin(), call.sources.end());
+    with_sum.back() = call.prefix->sum;
+  }
+  const at::TensorList sources = call.prefix ? at::TensorList(with_sum) : call.sources;
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cuda", [&] {
+      at::kBFloat16, at::kHalf, sources[0].scalar_type(), "attnres_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
+        const DeviceSources src(sources, nullptr, p.T, natural_vec<scalar_t>(),
                                 sizeof(scalar_t), stream);
         // The cp.async ring when a token's rows fit its stages (plan_forward)
         // and rings are allowed (ATTNRES_CUDA_RING): a grid of a few waves of

@@ -356,7 +356,7 @@ class DepthStream:
             self._check_declared(reader)
         num_completed = len(self._completed)
         if not self._two_phase(num_completed):
-            return reader._one_call(self.sources)
+            return self._read_one_call(reader)
         pos, grad = self._in_partial, torch.is_grad_enabled()
         if pos == 0:
             readers = [reader]
@@ -386,7 +386,7 @@ class DepthStream:
                 or pos >= len(entry.readers) or entry.readers[pos] is not reader
                 or entry.partials[pos] is None or (grad and not entry.with_grad)):
             # A phase 1 made without grad has no graph to give a read with grad.
-            return reader._one_call(self.sources)
+            return self._read_one_call(reader)
         # Phase 2 fuses the reader's output norm when it has one (§11).
         query, gain, out_weight = reader._read_params()
         partial = entry.partials[pos]
@@ -413,6 +413,22 @@ class DepthStream:
         if delta is None:
             return out
         out, self._partial = out
+        return out
+
+    def _read_one_call(self, reader: "AttnResResidual") -> torch.Tensor:
+        """A one-call read of the sources, the pending output added inside
+        it (§12)."""
+        delta = self._take_pending()
+        if delta is None:
+            return reader._one_call(self.sources)
+        query, gain, out_weight = reader._read_params()
+        try:
+            out, self._partial = depth_attention(
+                [*self._completed, self._partial], query, gain, eps=reader.eps,
+                out_weight=out_weight, out_eps=reader.out_eps, delta=delta)
+        except BaseException:
+            self._pending = delta  # a failed read leaves the stream as it was
+            raise
         return out
 
     def _checked_output(self, f, where: str = "append") -> torch.Tensor:

@@ -151,18 +151,30 @@ def _source_grads(sources, output_mask):
     return [_empty_like_rows(s) for i, s in enumerate(sources) if output_mask[i]]
 
 
+def _prefix_sum_output(delta, like, owner: str) -> torch.Tensor:
+    """The fused prefix add's P' output (csrc: check_like of delta): the rows
+    of ``like`` (the sum P), or an empty tensor without delta."""
+    if delta is None:
+        return like.new_empty((0,))
+    _expect(delta, "delta", like.shape, like.dtype, like.device, owner)
+    return _empty_like_rows(like)
+
+
 @torch.library.register_fake("attnres::depth_attention_fwd")
 def _depth_attention_fwd_fake(sources, query, norm_weight, eps, scale, out_weight=None,
-                              out_eps=None, keep_h=False):
+                              out_eps=None, keep_h=False, delta=None):
     src0 = check_args(sources, query, norm_weight, out_weight)
+    sum_out = _prefix_sum_output(delta, sources[-1], "the last source's")
     stat_shape, acc = (len(sources), *src0.shape[:-1]), _acc_dtype(src0.dtype)
     return (_empty_like_rows(src0), src0.new_empty(stat_shape, dtype=acc),
-            src0.new_empty(stat_shape, dtype=acc), *_out_norm_outputs(out_weight, keep_h, src0))
+            src0.new_empty(stat_shape, dtype=acc), *_out_norm_outputs(out_weight, keep_h, src0),
+            sum_out)
 
 
 @torch.library.register_fake("attnres::depth_attention_bwd")
 def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weight, h, rstd,
-                              weights, scale, output_mask, out_weight=None, out_rstd=None):
+                              weights, scale, output_mask, out_weight=None, out_rstd=None,
+                              grad_prefix_out=None):
     # csrc/arguments.cpp check_backward_args's order.
     src0 = check_args(sources, query, norm_weight)
     N, lead, acc = len(sources), list(src0.shape[:-1]), _acc_dtype(src0.dtype)
@@ -183,6 +195,8 @@ def _depth_attention_bwd_fake(grad_out, grad_weights, sources, query, norm_weigh
     if out_weight is not None:
         _check_parameter(out_weight, "out_weight", src0, src0.shape[-1])
         _expect(out_rstd, "out_rstd", lead, acc, src0.device)
+    if grad_prefix_out is not None:
+        _expect(grad_prefix_out, "grad_prefix_out", *rows[:3], "the last source's")
     return (_source_grads(sources, output_mask),
             *_parameter_grads(output_mask, N, query, norm_weight, out_weight))
 
@@ -265,20 +279,11 @@ def _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weigh
         _check_parameter(out_weight, "out_weight", block_sum, block_sum.shape[-1])
 
 
-def _prefix_sum_output(delta, block_sum) -> torch.Tensor:
-    """The fused prefix add's P' output (csrc/block_reads.cpp check_delta):
-    block_sum's rows, or an empty tensor without delta."""
-    if delta is None:
-        return block_sum.new_empty((0,))
-    _expect(delta, "delta", block_sum.shape, block_sum.dtype, block_sum.device, "block_sum's")
-    return _empty_like_rows(block_sum)
-
-
 @torch.library.register_fake("attnres::block_read_merge_fwd")
 def _block_read_merge_fwd_fake(partial_out, lse, block_sum, query, norm_weight, eps, scale,
                                out_weight=None, out_eps=None, keep_h=False, delta=None):
     _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
-    sum_out = _prefix_sum_output(delta, block_sum)
+    sum_out = _prefix_sum_output(delta, block_sum, "block_sum's")
     lead, acc = block_sum.shape[:-1], _acc_dtype(block_sum.dtype)
     return (_empty_like_rows(block_sum), block_sum.new_empty(lead, dtype=acc),
             block_sum.new_empty(lead, dtype=acc), *_out_norm_outputs(out_weight, keep_h, block_sum),
@@ -333,7 +338,7 @@ def _block_read_merge_inplace_fake(partial_out, lse, block_sum, query, norm_weig
     # functionalized trace runs the op on a copy of partial_out, where an
     # input that overlaps it would no longer be seen.
     _check_merge_args(partial_out, lse, block_sum, query, norm_weight, out_weight)
-    sum_out = _prefix_sum_output(delta, block_sum)
+    sum_out = _prefix_sum_output(delta, block_sum, "block_sum's")
     if not partial_out.is_contiguous():
         raise ValueError("partial_out must be contiguous for block_read_merge_inplace (the read is "
                          "written into it)")
@@ -382,19 +387,22 @@ def _vmap_by_elements(op):
 
 
 def _depth_attention_fwd_vmap(info, in_dims, sources, query, norm_weight, eps, scale,
-                              out_weight=None, out_eps=None, keep_h=False):
-    args = (sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h)
+                              out_weight=None, out_eps=None, keep_h=False, delta=None):
+    args = (sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h, delta)
     if any(d is not None for d in torch.utils._pytree.tree_leaves(in_dims[1:])):
         return _vmap_by_elements(torch.ops.attnres.depth_attention_fwd.default)(
             info, (*in_dims, *[None] * (len(args) - len(in_dims))), *args)
     B = info.batch_size
     sources = [s.expand(B, *s.shape) if d is None else s.movedim(d, 0)
                for s, d in zip(sources, in_dims[0] or [None] * len(sources))]
-    outs = torch.ops.attnres.depth_attention_fwd(sources, *args[1:])
+    if delta is not None:  # unbatched here: the batched sources' P' is batched
+        delta = delta.expand(B, *delta.shape)
+    outs = torch.ops.attnres.depth_attention_fwd(sources, *args[1:-1], delta)
     # out [B, ...]; rstd and weights [N, B, ...]; h and out_rstd are empty ([0])
-    # unless the output norm produces them.
+    # unless the output norm produces them, P' unless delta is given.
     normed = out_weight is not None
-    return outs, (0, 1, 1, 0 if normed and keep_h else None, 0 if normed else None)
+    return outs, (0, 1, 1, 0 if normed and keep_h else None, 0 if normed else None,
+                  0 if delta is not None else None)
 
 
 def _merge_inplace_vmap(info, in_dims, partial_out, *rest):
@@ -453,6 +461,7 @@ def depth_attention(
     return_weights: bool = False,
     out_weight: Optional[torch.Tensor] = None,
     out_eps: Optional[float] = None,
+    delta: Optional[torch.Tensor] = None,
 ):
     """Fused depth attention over ``sources`` (docs/design.md §1).
 
@@ -469,6 +478,12 @@ def depth_attention(
     given) instead of h, the norm fused into the read's kernels
     (docs/design.md §11): the sublayer after it needs no pre-norm of its
     own.
+
+    With ``delta`` (the fused prefix add, §12) the last source is a partial
+    block sum P and the read is over ``P + delta`` (rounded as
+    ``torch.add``), formed in the read; ``block_sum + delta`` is then
+    returned last (``(out, P')`` or ``(out, weights, P')``), and its gradient
+    reaches P and ``delta``.
     """
     if isinstance(sources, torch.Tensor):
         if sources.dim() < 2:
@@ -482,16 +497,18 @@ def depth_attention(
     try:
         # With out_weight, h is kept for the backward by the op's autograd
         # when it records.
-        out, _rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
-            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"))
+        out, _rstd, weights, _h, _out_rstd, new_sum = torch.ops.attnres.depth_attention_fwd(
+            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"),
+            False, delta)
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.
         _explain_not_implemented(sources, query, norm_weight)
         raise
-    if return_weights:
-        return out, weights.to(torch.float32)
-    return out
+    result = (out, weights.to(torch.float32)) if return_weights else (out,)
+    if delta is not None:
+        result += (new_sum,)
+    return result if len(result) > 1 else out
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------

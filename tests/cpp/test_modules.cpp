@@ -806,6 +806,59 @@ TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenMergeBitForBit) {
   EXPECT_TRUE(at::equal(partial, g1 + g2));
 }
 
+// The one-call read with delta: add then read, bit for bit (forward and
+// gradients); a one-call stream's read after a deferred output takes it
+// (its partial sum is the read's P' output).
+TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenOneCallReadBitForBit) {
+  at::manual_seed(22);
+  const Tensors sources = leaves(3, {4, 6, kD});
+  const at::Tensor query = at::randn({kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor gain = (at::rand({kD}, at::kDouble) + 0.5).requires_grad_(true);
+  const at::Tensor out_weight = (at::rand({kD}, at::kDouble) + 0.5).requires_grad_(true);
+  const at::Tensor delta = at::randn({4, 6, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor w_out = at::randn({4, 6, kD}, at::kDouble);
+  const at::Tensor w_sum = at::randn({4, 6, kD}, at::kDouble);
+  Tensors inputs = sources;
+  for (const auto& t : {query, gain, out_weight, delta}) inputs.push_back(t);
+  auto run = [&](bool fused) {
+    at::Tensor out, P_next;
+    if (fused) {
+      auto result = attnres::depth_attention_fwd(sources, query, gain, 1e-6, 1.0, out_weight,
+                                                 std::nullopt, false, delta);
+      out = std::get<0>(result);
+      P_next = std::get<5>(result);
+    } else {
+      P_next = sources[2] + delta;
+      out = attnres::depth_attention({sources[0], sources[1], P_next}, query, gain, 1e-6, 1.0,
+                                     out_weight);
+    }
+    Tensors result = torch::autograd::grad({(out * w_out).sum() + (P_next * w_sum).sum()}, inputs);
+    result.insert(result.begin(), {out, P_next});
+    return result;
+  };
+  const Tensors got = run(true), want = run(false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_GT(want[i].count_nonzero().item<int64_t>(), 0) << i;
+    EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  }
+  std::vector<attnres::AttnResResidual> readers;
+  for (int i = 0; i < 3; ++i) {
+    readers.emplace_back(attnres::AttnResResidualOptions(kD).dtype(at::kDouble));
+  }
+  const at::Tensor g1 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
+  const at::Tensor g2 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
+  attnres::DepthStream stream(at::randn({2, kD}, at::kDouble), 4, attnres::BlockReads::kOneCall,
+                              readers);
+  readers[0](stream);
+  stream.append(g1 * 1.0);
+  readers[1](stream);
+  stream.append(g2 * 1.0);
+  readers[2](stream);
+  const at::Tensor partial = stream.sources().back();
+  EXPECT_THAT(partial.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+  EXPECT_TRUE(at::equal(partial, g1 + g2));
+}
+
 // kAuto reads two-phase from the third completed source on, the reads
 // autograd records too (fp64 here); a bf16 stream keeps those one-call (its
 // merge backward would take <dh, P - y> from a partial output rounded to
@@ -1099,9 +1152,9 @@ TEST(OutNorm, RawOpsKeepHOnlyWhenAskedAndComputeOnlyTheMaskedGradients) {
   for (int i = 0; i < 3; ++i) sources.push_back(at::randn({4, D}, at::kDouble));
   const at::Tensor query = at::randn({D}, at::kDouble);
   const at::Tensor w = at::rand({D}, at::kDouble) + 0.5;
-  const auto [y, rstd, weights, h, out_rstd] =
+  const auto [y, rstd, weights, h, out_rstd, y_prefix] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, 1e-6, 1.0, w, 1e-6, true);
-  const auto [y2, rstd2, weights2, no_h, out_rstd2] =
+  const auto [y2, rstd2, weights2, no_h, out_rstd2, y2_prefix] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, 1e-6, 1.0, w, 1e-6, false);
   EXPECT_EQ(no_h.numel(), 0);
   EXPECT_TRUE(at::equal(y, y2));

@@ -342,7 +342,7 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   const Tensors sources = random_sources(4, {3, 6, 11}, at::kFloat);
   const at::Tensor query = random_tensor({11}, at::kFloat, 0.3);
   const at::Tensor gain = random_tensor({11}, at::kFloat);
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   // Without out_weight the output norm's statistics are empty tensors.
   EXPECT_EQ(h_kept.sizes(), at::IntArrayRef({0}));
@@ -353,9 +353,11 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
                  .typed<attnres::DepthAttentionForward(
                      at::TensorList, const at::Tensor&,
                      const std::optional<at::Tensor>&, double, double,
-                     const std::optional<at::Tensor>&, std::optional<double>, bool)>();
-  const auto [h_typed, rstd_typed, weights_typed, h_typed_kept, h_typed_out_rstd] =
-      fwd.call(sources, query, gain, kEps, kScale, std::nullopt, std::nullopt, false);
+                     const std::optional<at::Tensor>&, std::optional<double>, bool,
+                     const std::optional<at::Tensor>&)>();
+  const auto [h_typed, rstd_typed, weights_typed, h_typed_kept, h_typed_out_rstd, h_typed_prefix] =
+      fwd.call(sources, query, gain, kEps, kScale, std::nullopt, std::nullopt, false,
+               std::nullopt);
   EXPECT_TRUE(at::equal(h, h_typed));
   EXPECT_TRUE(at::equal(rstd, rstd_typed));
   EXPECT_TRUE(at::equal(weights, weights_typed));
@@ -365,12 +367,13 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   // The boxed path parses Tensor[], Tensor? and float? from IValues.
   torch::jit::Stack stack{c10::IValue(c10::List<at::Tensor>(sources)),
                           query, c10::IValue(), kEps, kScale,
-                          c10::IValue(), c10::IValue(), false};
+                          c10::IValue(), c10::IValue(), false, c10::IValue()};
   c10::Dispatcher::singleton()
       .findSchemaOrThrow("attnres::depth_attention_fwd", "")
       .callBoxed(&stack);
-  ASSERT_EQ(stack.size(), 5u);
-  const auto [h_nogain, rstd_nogain, weights_nogain, h_nogain_kept, h_nogain_out_rstd] =
+  ASSERT_EQ(stack.size(), 6u);
+  const auto [h_nogain, rstd_nogain, weights_nogain, h_nogain_kept, h_nogain_out_rstd,
+              h_nogain_prefix] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, kEps, kScale);
   EXPECT_TRUE(at::equal(stack[0].toTensor(), h_nogain));
   EXPECT_TRUE(at::equal(stack[2].toTensor(), weights_nogain));
@@ -386,12 +389,12 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
                      const at::Tensor&, const std::optional<at::Tensor>&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      double, const c10::List<bool>&, const std::optional<at::Tensor>&,
-                     const std::optional<at::Tensor>&)>();
+                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   c10::List<bool> every_gradient;
   for (size_t i = 0; i < sources.size() + 2; ++i) every_gradient.push_back(true);
   const auto [gs_typed, gq_typed, gg_typed, gw_typed] =
       bwd.call(grad_out, std::nullopt, sources, query, gain, h, rstd, weights,
-               kScale, every_gradient, std::nullopt, std::nullopt);
+               kScale, every_gradient, std::nullopt, std::nullopt, std::nullopt);
   const auto [gs, gq, gg, gw] = backward_all(
       grad_out, sources, query, gain, h, rstd, weights, kScale);
   ASSERT_EQ(gs_typed.size(), sources.size());
@@ -407,10 +410,10 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
   // With out_weight: the typed call and the C++ API agree, and out_eps
   // follows eps when absent.
   const at::Tensor out_weight = random_tensor({11}, at::kFloat) + 1.0;
-  const auto [y, rstd_n, weights_n, h_n, out_rstd_n] = attnres::depth_attention_fwd(
+  const auto [y, rstd_n, weights_n, h_n, out_rstd_n, y_prefix] = attnres::depth_attention_fwd(
       sources, query, gain, kEps, kScale, out_weight, std::nullopt, /*keep_h=*/true);
-  const auto [y_typed, rstd_nt, weights_nt, h_nt, out_rstd_nt] =
-      fwd.call(sources, query, gain, kEps, kScale, out_weight, kEps, true);
+  const auto [y_typed, rstd_nt, weights_nt, h_nt, out_rstd_nt, y_typed_prefix] =
+      fwd.call(sources, query, gain, kEps, kScale, out_weight, kEps, true, std::nullopt);
   EXPECT_TRUE(at::equal(y, y_typed));
   EXPECT_TRUE(at::equal(h_n, h_nt));
   EXPECT_TRUE(at::equal(out_rstd_n, out_rstd_nt));
@@ -424,7 +427,7 @@ TEST(Dispatcher, TypedAndBoxedCallsMatchTheCppApi) {
                                    out_rstd_n);
   const auto [gs_nt, gq_nt, gg_nt, gw_nt] =
       bwd.call(grad_out, std::nullopt, sources, query, gain, h_nt, rstd_nt, weights_nt, kScale,
-               every_normed_gradient, out_weight, out_rstd_nt);
+               every_normed_gradient, out_weight, out_rstd_nt, std::nullopt);
   ASSERT_EQ(gs_nt.size(), sources.size());
   for (size_t i = 0; i < gs_n.size(); ++i) {
     EXPECT_TRUE(at::equal(gs_n[i], gs_nt[i])) << "source " << i;
@@ -450,7 +453,7 @@ TEST(KnownAnswer, WorkedExampleFromTheDesign) {
        {std::optional<at::Tensor>(at::ones({3}, opts)),
         std::optional<at::Tensor>()}) {
     SCOPED_TRACE(gain ? "gain of ones" : "no gain");
-    const auto [h, rstd, weights, h_kept, h_out_rstd] = attnres::depth_attention_fwd(
+    const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] = attnres::depth_attention_fwd(
         sources, at::tensor({0.0, w, 0.0}, opts), gain, /*eps=*/0.0, 1.0);
     expect_close(h, at::tensor({0.5, 2.0, 1.5}, opts), tol.output, "h");
     expect_close(weights, at::tensor({0.25, 0.5, 0.25}, opts), tol.stats,
@@ -461,7 +464,7 @@ TEST(KnownAnswer, WorkedExampleFromTheDesign) {
     expect_close(rstd, expected_rstd, tol.stats, "rstd");
 
     // Weights [1/2, 1/4, 1/4] (score ln2 on e) give [1, 1, 1.5].
-    const auto [h2, rstd2, weights2, h2_kept, h2_out_rstd] = attnres::depth_attention_fwd(
+    const auto [h2, rstd2, weights2, h2_kept, h2_out_rstd, h2_prefix] = attnres::depth_attention_fwd(
         sources, at::tensor({w, 0.0, 0.0}, opts), gain, 0.0, 1.0);
     expect_close(h2, at::tensor({1.0, 1.0, 1.5}, opts), tol.output,
                  "h with the query on e");
@@ -472,7 +475,7 @@ TEST(KnownAnswer, ZeroQueryIsTheMeanOfTheSources) {
   at::manual_seed(2);
   const Tensors sources = random_sources(5, {2, 3, 9}, at::kDouble);
   const at::Tensor gain = random_tensor({9}, at::kDouble);
-  const auto [h, rstd, weights, h_kept, h_out_rstd] = attnres::depth_attention_fwd(
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] = attnres::depth_attention_fwd(
       sources, at::zeros({9}, at::kDouble), gain, kEps, kScale);
   const Tolerances& tol = tolerances(at::kDouble);
   expect_close(h, at::stack(sources).mean(0), tol.output, "h");
@@ -489,7 +492,7 @@ TEST(KnownAnswer, OneSourceIsTheIdentity) {
     const Tensors sources = random_sources(1, {4, 13}, dtype);
     const at::Tensor query = random_tensor({13}, dtype);
     const at::Tensor gain = random_tensor({13}, dtype);
-    const auto [h, rstd, weights, h_kept, h_out_rstd] =
+    const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
         attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
     EXPECT_TRUE(at::equal(h, sources[0]));
     EXPECT_TRUE(at::equal(weights, at::ones({1, 4}, acc_dtype(dtype))));
@@ -568,7 +571,7 @@ class DepthAttentionVsComposite : public ::testing::TestWithParam<Case> {
 
 TEST_P(DepthAttentionVsComposite, Forward) {
   const Case& c = GetParam();
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, gain, eps, kScale);
   const Composite ref = composite_forward(
       to_double(sources), query.to(at::kDouble),
@@ -589,7 +592,7 @@ TEST_P(DepthAttentionVsComposite, Forward) {
 
 TEST_P(DepthAttentionVsComposite, Backward) {
   const Case& c = GetParam();
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, gain, eps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), c.dtype);
   const auto [grad_sources, grad_query, grad_gain, grad_out_weight] =
@@ -643,9 +646,9 @@ TEST(Layout, StridedSourcesMatchContiguousCopies) {
   const at::Tensor query = random_tensor({D}, at::kFloat, 0.3);
   const at::Tensor gain = random_tensor({D}, at::kFloat);
 
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(strided, query, gain, kEps, kScale);
-  const auto [h_c, rstd_c, weights_c, h_c_kept, h_c_out_rstd] =
+  const auto [h_c, rstd_c, weights_c, h_c_kept, h_c_out_rstd, h_c_prefix] =
       attnres::depth_attention_fwd(contiguous, query, gain, kEps, kScale);
   EXPECT_TRUE(at::equal(h, h_c));
   EXPECT_TRUE(at::equal(weights, weights_c));
@@ -673,7 +676,7 @@ TEST(Layout, ZeroTokens) {
   const Tensors sources(3, at::empty({0, D}, at::kFloat));
   at::manual_seed(5);
   const at::Tensor query = random_tensor({D}, at::kFloat);
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, std::nullopt, kEps, kScale);
   EXPECT_EQ(h.sizes(), at::IntArrayRef({0, D}));
   EXPECT_EQ(rstd.sizes(), at::IntArrayRef({3, 0}));
@@ -698,7 +701,7 @@ TEST(Determinism, BackwardBitsDoNotDependOnThreadCount) {
   const Tensors sources = random_sources(5, {4099, D}, at::kFloat);
   const at::Tensor query = random_tensor({D}, at::kFloat, 0.2);
   const at::Tensor gain = random_tensor({D}, at::kFloat);
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
 
@@ -809,7 +812,7 @@ TEST_F(BadInput, ZeroDimSource) {
 }
 
 TEST_F(BadInput, BackwardStatisticsAndGradOut) {
-  const auto [h, rstd, weights, h_kept, h_out_rstd] =
+  const auto [h, rstd, weights, h_kept, h_out_rstd, h_prefix] =
       attnres::depth_attention_fwd(sources, query, gain, kEps, kScale);
   const at::Tensor grad_out = random_tensor(h.sizes(), at::kFloat);
   auto backward = [&](const at::Tensor& go, const at::Tensor& r,

@@ -39,7 +39,7 @@ def test_gradcheck_through_output_and_weights_fp64(with_gain):
 
     def fwd(*xs):
         gain = xs[5] if with_gain else None
-        h, _rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        h, _rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
             list(xs[:4]), xs[4], gain, 1e-6, 0.8)
         return h, w
 
@@ -85,7 +85,7 @@ def test_loss_on_weights_alone(device):
     gen = torch.Generator().manual_seed(6)
     srcs = make_sources(3, (4,), 16, torch.float64, device, gen, requires_grad=True)
     q, g = make_params(16, torch.float64, device, gen, requires_grad=True)
-    _out, _rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    _out, _rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     (w[0] * w[2]).sum().backward()
     ref_srcs = [fp64_leaf(s) for s in srcs]
     ref_q, ref_g = fp64_leaf(q), fp64_leaf(g)
@@ -127,7 +127,7 @@ def test_backward_op_computes_only_what_the_mask_asks(device):
     gen = torch.Generator().manual_seed(8)
     srcs = make_sources(4, (3, 2), 24, torch.float32, device, gen)
     q, g = make_params(24, torch.float32, device, gen)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.9)
     dh = torch.randn(srcs[0].shape, generator=gen).to(device)
     gw = torch.randn(w.shape, generator=gen).to(device)
     full_s, full_q, full_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.9, grad_weights=gw)[:3]
@@ -158,7 +158,7 @@ def test_source_grads_have_the_same_bits_whatever_else_is_asked(device, dtype):
     n, d = 9, 1000
     srcs = make_sources(n, (33,), d, dtype, device, gen)
     q, g = make_params(d, dtype, device, gen)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.7)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.7)
     dh = torch.randn(h.shape, generator=gen).to(device=device, dtype=dtype)
     all_s = backward_op(dh, srcs, q, g, h, rstd, w, 0.7)[0]
     only_s, none_q, none_g = backward_op(dh, srcs, q, g, h, rstd, w, 0.7,
@@ -176,7 +176,7 @@ def test_backward_checks_the_saved_output(device):
     gen = torch.Generator().manual_seed(10)
     srcs = make_sources(3, (4,), 16, torch.float32, device, gen)
     q, g = make_params(16, torch.float32, device, gen)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     dh = torch.randn(h.shape, generator=gen).to(device)
     meta = lambda t: t.to("meta")  # noqa: E731
     for to in (lambda t: t, meta):

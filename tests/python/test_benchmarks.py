@@ -364,7 +364,7 @@ def test_prefix_add_reads_benchmark_quick():
             if r.startswith("| no |") or r.startswith("| with |")]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         ("no", "1"), ("no", "16"), ("with", "1"), ("with", "16")]
-    assert all(len(r) == 13 and all(float(c) > 0 for c in r[5:]) for r in rows), rows
+    assert all(len(r) == 16 and all(float(c) > 0 for c in r[5:]) for r in rows), rows
 
 
 def test_read_host_time_benchmark(tmp_path):

@@ -133,7 +133,7 @@ def test_opcheck(dtype, gain):
     q = query.detach().clone().requires_grad_(True)
     w = norm_weight.detach().clone().requires_grad_(True) if gain else None
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd.default, (srcs, q, w, 1e-6, 0.9))
-    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+    h, rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 0.9)
     torch.library.opcheck(
         torch.ops.attnres.depth_attention_bwd.default,
@@ -168,7 +168,7 @@ def test_cuda_graph_capture_and_replay():
     static_src, static_q, static_w, static_dh = make_problem(N, lead, D, dtype, seed=1)
 
     def step():
-        out, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        out, rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
             static_src, static_q, static_w, eps, scale)
         grads, gq, gw = backward_op(
             static_dh, static_src, static_q, static_w, out, rstd, weights, scale
@@ -212,7 +212,7 @@ def test_more_than_2_31_elements():
     query = torch.randn(D, device="cuda", generator=gen) / D**0.5
     norm_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
     grad_out = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+    out, rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0)
     grads = backward_op(grad_out, sources, query, norm_weight, out, rstd, weights, 1.0)[0]
     for rows in (slice(0, 4), slice(T - 4, T)):
@@ -232,7 +232,7 @@ def test_more_than_2_31_elements():
 ])
 def test_backward_is_bitwise_deterministic(N, lead, D, dtype):
     sources, query, norm_weight, grad_out = make_problem(N, lead, D, dtype)
-    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+    h, rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0)
     runs = [
         backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)[:3]
@@ -250,7 +250,7 @@ def test_backward_reads_h_only_in_single_pass(dtype):
     only the former's gradients. A misaligned h (16-byte loads impossible:
     the scalar path) gives the same gradients within the tolerance."""
     sources, query, norm_weight, grad_out = make_problem(5, (33,), 64, dtype)
-    h, rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+    h, rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0)
     base = backward_op(grad_out, sources, query, norm_weight, h, rstd, weights, 1.0)
     bumped = backward_op(grad_out, sources, query, norm_weight, h * 2 + 1, rstd, weights, 1.0)
@@ -357,11 +357,11 @@ def out_norm_reference(sources, query, norm_weight, out_weight, grad_out, *, eps
 
 def out_norm_ops(sources, query, norm_weight, out_weight, grad_out, *, eps, scale, out_eps,
                  keep_h=True, want_out_weight=True):
-    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    y, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, eps, scale, out_weight, out_eps, keep_h)
     if not keep_h:
         assert h.numel() == 0
-        _, _, _, h, _ = torch.ops.attnres.depth_attention_fwd(
+        _, _, _, h, _, _ = torch.ops.attnres.depth_attention_fwd(
             sources, query, norm_weight, eps, scale, out_weight, out_eps, True)
     mask = [True] * (len(sources) + 2) + [want_out_weight]
     gs, gq, gg, gw = torch.ops.attnres.depth_attention_bwd(
@@ -443,7 +443,7 @@ def test_out_norm_misaligned_out_weight_and_h(dtype):
     y, h, out_rstd, base = out_norm_ops(sources, query, norm_weight, w, grad_out, **kw)
     y2, _, _, _ = out_norm_ops(sources, query, norm_weight, w_odd, grad_out, **kw)
     assert torch.equal(y, y2)
-    _, rstd, weights, _, _ = torch.ops.attnres.depth_attention_fwd(
+    _, rstd, weights, _, _, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0, w, 1e-5, True)
     hbuf = torch.empty(h.numel() + 1, dtype=dtype, device="cuda")
     h_odd = hbuf[1:].view_as(h)
@@ -639,3 +639,27 @@ def test_cuda_block_stream_reads_two_phase_when_asked(dtype, monkeypatch):
             assert_rel_close(g, w, 1e3 * GRAD_REL_TOL[dtype], f"query {i} gradient")
         else:
             assert torch.isfinite(g).all(), f"query {i} gradient"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
+def test_one_call_prefix_add_is_add_then_read_bit_for_bit(dtype, out_norm):
+    """The one-call read's delta on CUDA (one add, then the read kernel over
+    P'): values and every gradient equal torch.add then the plain read."""
+    src, q, w, dh = make_problem(4, (5, 7), 1000, dtype, seed=11)
+    delta = dh.flip(0)
+    ow = (torch.rand(1000, device="cuda", dtype=q.dtype) + 0.5) if out_norm else None
+
+    def run(fused):
+        leaves = [t.detach().clone().requires_grad_() for t in (*src, delta, q, w)]
+        *s, d, q_, w_ = leaves
+        if fused:
+            out, P_next = attnres.depth_attention(s, q_, w_, out_weight=ow, delta=d)
+        else:
+            P_next = s[-1] + d
+            out = attnres.depth_attention([*s[:-1], P_next], q_, w_, out_weight=ow)
+        loss = (out.float() * dh.float()).sum() + (P_next.float() * 0.5).sum()
+        return [out, P_next, *torch.autograd.grad(loss, leaves)]
+
+    for i, (a, b) in enumerate(zip(run(True), run(False))):
+        assert torch.equal(a, b), i

@@ -45,7 +45,7 @@ def test_one_schema_per_computation():
 @pytest.mark.parametrize("with_out_weight", [False, True])
 def test_forward_always_returns_the_norm_statistics(with_out_weight):
     sources, query, norm_weight, out_weight = _problem()
-    out, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    out, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0, out_weight if with_out_weight else None, None, True)
     ref_h = reference.depth_attention(sources, query, norm_weight)
     if with_out_weight:
@@ -95,7 +95,7 @@ def test_backward_refuses_a_meta_tensor_among_cpu_tensors(on_meta):
     # The norm's saved tensors are checked like every other input: one on the
     # meta device must raise, never return uninitialized memory.
     sources, query, norm_weight, out_weight = _problem()
-    _, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    _, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         sources, query, norm_weight, 1e-6, 1.0, out_weight, None, True)
     saved = {"h": h, "out_rstd": out_rstd, "out_weight": out_weight}
     saved[on_meta] = saved[on_meta].to("meta")
@@ -157,7 +157,7 @@ def _valid():
     ns.w = torch.rand(D, generator=gen, **f32) + 0.5
     ns.ow = torch.rand(D, generator=gen, **f32) + 0.5
     ns.qs = torch.randn(2, D, generator=gen, **f32)
-    out, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    out, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         ns.src, ns.q, ns.w, 1e-6, 1.0, ns.ow, 1e-5, True)
     ns.y, ns.rstd, ns.weights, ns.h, ns.out_rstd = out, rstd, weights, h, out_rstd
     ns.dh = torch.randn(T, D, generator=gen, **f32)
@@ -279,6 +279,13 @@ BAD_INPUTS = {
     "merge bwd: grad_block_sum_out shape": lambda v: (ops.block_read_merge_bwd, (
         v.dh, v.parts[1], v.src[0], v.qs[1], None, v.rm, v.am, 1.0, [True] * 5, None, None, None,
         v.dh[:2])),
+    "fwd: delta shape": lambda v: (ops.depth_attention_fwd, (
+        v.src, v.q, None, 1e-6, 1.0, None, None, False, v.src[1][:2])),
+    "fwd: delta dtype": lambda v: (ops.depth_attention_fwd, (
+        v.src, v.q, None, 1e-6, 1.0, None, None, False, v.src[1].double())),
+    "bwd: grad_prefix_out shape": lambda v: (ops.depth_attention_bwd, (
+        v.dh, None, v.src, v.q, v.w, v.h, v.rstd, v.weights, 1.0, [True] * (N + 3), v.ow,
+        v.out_rstd, v.dh[:2])),
     "merge in place: delta is the output": lambda v: (ops.block_read_merge_inplace, (
         v.parts[1], v.lse[1], v.src[0], v.qs[1], None, 1e-6, 1.0, None, None, v.parts[1])),
     "merge in place: delta dtype": lambda v: (ops.block_read_merge_inplace, (

@@ -152,7 +152,7 @@ def test_opcheck_backward(device, dtype, with_gain):
     srcs = [s.detach() for s in srcs]
     q = q.detach()
     g = g.detach() if g is not None else None
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.5)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 0.5)
     dh = torch.randn_like(srcs[0])
     n = len(srcs)
     bwd = torch.ops.attnres.depth_attention_bwd.default
@@ -299,7 +299,7 @@ def test_parameter_grads_bitwise_deterministic_across_threads(device):
     gen = torch.Generator().manual_seed(17)
     srcs = make_sources(9, (257, 3), 130, torch.float32, device, gen)
     q, g = make_params(130, torch.float32, device, gen)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0)
     dh = torch.randn(srcs[0].shape, generator=gen).to(device)
     before = torch.get_num_threads()
     results = []
@@ -424,7 +424,7 @@ def test_vmap_over_a_read():
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
     # The backward op under vmap (batched incoming gradients): per element.
     plain = [srcs[0][0].detach(), srcs[1][0].detach(), shared]
-    h, rstd, weights, _, _ = torch.ops.attnres.depth_attention_fwd(plain, query.detach(), gain,
+    h, rstd, weights, _, _, _ = torch.ops.attnres.depth_attention_fwd(plain, query.detach(), gain,
                                                                    1e-6, 1.0)
     dhs = torch.randn(B, *h.shape, generator=gen, dtype=torch.float64)
     def bwd(dh):  # the defined gradients

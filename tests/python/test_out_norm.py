@@ -153,7 +153,7 @@ def test_gradcheck_fp64(with_gain):
 
     def fwd(*xs):
         gain = xs[6] if with_gain else None
-        y, _rstd, weights, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(
+        y, _rstd, weights, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
             list(xs[:4]), xs[4], gain, 1e-6, 0.8, xs[5], 1e-4, False)
         return y, weights
 
@@ -173,7 +173,7 @@ def test_opcheck():
                               (srcs, q, g, 1e-6, 1.0, w, 1e-5, keep_h))
     torch.library.opcheck(torch.ops.attnres.depth_attention_fwd,
                           (srcs, q, g, 1e-6, 1.0, w, None, True))  # out_eps follows eps
-    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    y, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         [s.detach() for s in srcs], q.detach(), g.detach(), 1e-6, 1.0, w.detach(), 1e-5, True)
     dy = torch.randn_like(y)
     for mask in ([True] * 6, [False, True, False, True, False, True], [True, False, False, False, True, False]):
@@ -190,9 +190,9 @@ def test_kept_h_is_the_plain_reads_h_and_y_its_norm():
         srcs = make_sources(6, (4, 3), 200, dtype, "cpu", gen)
         q, g = make_params(200, dtype, "cpu", gen)
         w = make_out_weight(200, dtype, "cpu", gen)
-        y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+        y, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
             srcs, q, g, 1e-6, 1.0, w, 1e-5, True)
-        h_plain, rstd_plain, weights_plain, h_empty, out_rstd_empty = (
+        h_plain, rstd_plain, weights_plain, h_empty, out_rstd_empty, _ = (
             torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0))
         assert torch.equal(h, h_plain) and torch.equal(weights, weights_plain), dtype
         assert torch.equal(rstd, rstd_plain), dtype
@@ -200,7 +200,7 @@ def test_kept_h_is_the_plain_reads_h_and_y_its_norm():
         # Without out_weight the norm's statistics are empty tensors.
         assert h_empty.shape == (0,) and h_empty.dtype == dtype, dtype
         assert out_rstd_empty.shape == (0,) and out_rstd_empty.dtype == weights.dtype, dtype
-        y_none, _, _, h_none, _ = torch.ops.attnres.depth_attention_fwd(
+        y_none, _, _, h_none, _, _ = torch.ops.attnres.depth_attention_fwd(
             srcs, q, g, 1e-6, 1.0, w, 1e-5, False)
         assert h_none.numel() == 0 and torch.equal(y_none, y), dtype
     h64 = h_plain.double()
@@ -215,12 +215,12 @@ def test_h_is_kept_for_the_backward_only_when_autograd_records():
     srcs = make_sources(3, (5,), 16, torch.float32, "cpu", gen, requires_grad=True)
     q, g = make_params(16, torch.float32, "cpu", gen, requires_grad=True)
     w = make_out_weight(16, torch.float32, "cpu", gen).requires_grad_()
-    y, _, _, h, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6, False)
+    y, _, _, h, _, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6, False)
     assert h.numel() == 0 and y.requires_grad and not h.requires_grad
     y.sum().backward()
     assert all(s.grad is not None for s in srcs) and w.grad is not None
     with torch.no_grad():
-        y2, _, _, h2, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6,
+        y2, _, _, h2, _, _ = torch.ops.attnres.depth_attention_fwd(srcs, q, g, 1e-6, 1.0, w, 1e-6,
                                                                 False)
     assert h2.numel() == 0 and torch.equal(y2, y.detach())
 
@@ -230,7 +230,7 @@ def test_backward_op_computes_only_what_the_mask_asks():
     srcs = make_sources(3, (5,), 16, torch.float64, "cpu", gen)
     q, g = make_params(16, torch.float64, "cpu", gen)
     w = make_out_weight(16, torch.float64, "cpu", gen)
-    y, rstd, weights, h, out_rstd = torch.ops.attnres.depth_attention_fwd(
+    y, rstd, weights, h, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
         srcs, q, g, 1e-6, 1.0, w, 1e-6, True)
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
     args = (dy, None, srcs, q, g, h, rstd, weights, 1.0)

@@ -1,16 +1,17 @@
 """The fused prefix add (docs/design.md §12): block_read_merge_fwd / _inplace
-take ``delta`` and read over ``P' = block_sum + delta``, formed in the
-merge and returned; block_read_merge_bwd adds P''s own gradient to the block
-sum's. The fused read must equal ``torch.add`` followed by the plain merge
-bit for bit (forward and every gradient), in every dtype, and DepthStream
-with declared readers must take it without changing a bit of its reads."""
+and the one-call depth_attention_fwd take ``delta`` and read over ``P' = P +
+delta`` (P: the block sum, or the one-call read's last source), formed in the
+read and returned; their backward ops add P''s own gradient to P's. A fused
+read must equal ``torch.add`` followed by the plain read bit for bit (forward
+and every gradient), in every dtype, and DepthStream with declared readers
+must take it without changing a bit of its reads."""
 import pytest
 import torch
 from torch.library import opcheck
 
 import attnres
 import attnres.modules as modules_mod
-from attnres.ops import block_read_merge, block_read_merge_inplace, block_reads
+from attnres.ops import block_read_merge, block_read_merge_inplace, block_reads, depth_attention
 
 from helpers import make_stack, param_dtype
 
@@ -188,13 +189,127 @@ def test_vmap_over_the_sources():
     assert torch.equal(P_next, want_P)
 
 
+# ---- the one-call read: depth_attention(..., delta=) ----------------------------
+
+
+def one_call_problem(dtype, lead=(3, 5), D=1000, n=3, seed=0, strided=False):
+    """n sources (the last a block sum P), a delta, a query, gain and output
+    weight, random (never zeros); strided rows when asked."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(scale=1.0):
+        if strided:
+            full = torch.randn(*lead[:-1], 2 * lead[-1], D + 3, generator=g, dtype=torch.float64)
+            return (full[..., ::2, :D] * scale).to(dtype)
+        return (torch.randn(*lead, D, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    pd = param_dtype(dtype)
+    return dict(sources=[rows(10.0 ** (i % 3 - 1)) for i in range(n)], delta=rows(),
+                query=(torch.randn(D, generator=g, dtype=torch.float64) * (2.0 / D ** 0.5)).to(pd),
+                gain=(torch.rand(D, generator=g, dtype=torch.float64) + 0.5).to(pd),
+                out_weight=(torch.rand(D, generator=g, dtype=torch.float64) + 0.5).to(pd))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("D", [67, 1000])
+def test_fused_one_call_read_is_add_then_read_bit_for_bit(dtype, normed, strided, D):
+    """Values, and the gradient of every input with both outputs carrying
+    one, equal autograd's through torch.add and the plain one-call read."""
+    p = one_call_problem(dtype, D=D, strided=strided, seed=D + strided)
+    g = torch.Generator().manual_seed(1)
+    w_out = torch.randn(p["delta"].shape, generator=g, dtype=torch.float64).to(dtype)
+    w_sum = torch.randn(p["delta"].shape, generator=g, dtype=torch.float64).to(dtype)
+
+    def run(fused):
+        srcs = [s.detach().clone().requires_grad_() for s in p["sources"]]
+        leaves = {k: p[k].detach().clone().requires_grad_()
+                  for k in ("delta", "query", "gain", "out_weight")}
+        w = leaves["out_weight"] if normed else None
+        if fused:
+            out, P_next = depth_attention(srcs, leaves["query"], leaves["gain"], out_weight=w,
+                                          delta=leaves["delta"])
+        else:
+            P_next = srcs[-1] + leaves["delta"]
+            out = depth_attention([*srcs[:-1], P_next], leaves["query"], leaves["gain"],
+                                  out_weight=w)
+        inputs = [*srcs, *(leaves[k] for k in ("delta", "query", "gain"))] + ([w] if normed else [])
+        loss = (out * w_out).sum() + (P_next * w_sum).sum()
+        return [out.detach(), P_next.detach(), *torch.autograd.grad(loss, inputs)]
+
+    got, want = run(True), run(False)
+    assert got[1].is_contiguous() and got[1].dtype == dtype
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.count_nonzero(b) > 0, i
+        assert torch.equal(a, b), i
+    with torch.inference_mode():  # the kernel alone, no autograd node
+        out, P_next = depth_attention(p["sources"], p["query"], p["gain"], delta=p["delta"],
+                                      out_weight=p["out_weight"] if normed else None)
+    assert torch.equal(out, want[0]) and torch.equal(P_next, want[1])
+
+
+def test_one_call_only_the_sum_output_has_a_gradient():
+    p = one_call_problem(torch.float64, lead=(4,), D=16, seed=12)
+    P = p["sources"][-1].clone().requires_grad_()
+    delta = p["delta"].clone().requires_grad_()
+    _, P_next = depth_attention([*p["sources"][:-1], P], p["query"], p["gain"], delta=delta)
+    upstream = torch.randn_like(P_next)
+    gP, gd = torch.autograd.grad(P_next, [P, delta], upstream)
+    assert torch.equal(gP, upstream) and torch.equal(gd, upstream)
+    q = p["query"].clone().requires_grad_()  # P and delta need no gradient: P' has none
+    _, P_next = depth_attention(p["sources"], q, p["gain"], delta=p["delta"])
+    assert not P_next.requires_grad
+
+
+def test_one_call_gradcheck_and_opcheck():
+    p = one_call_problem(torch.float64, lead=(3,), D=6, n=2, seed=13)
+    args = [*p["sources"], p["delta"], p["query"], p["gain"], p["out_weight"]]
+    args = tuple(a.clone().requires_grad_() for a in args)
+
+    def fn(s0, s1, d, q, g, w):  # the op: its weights stay float64
+        out, _, weights, _, _, P_next = torch.ops.attnres.depth_attention_fwd(
+            [s0, s1], q, g, 1e-6, 0.5, w, None, False, d)
+        return out, weights, P_next
+
+    assert torch.autograd.gradcheck(fn, args)
+    s = [a.detach().float().requires_grad_() for a in args]
+    for w in (None, s[5]):
+        opcheck(torch.ops.attnres.depth_attention_fwd.default,
+                ([s[0], s[1]], s[3], s[4], 1e-6, 0.5, w, None, False, s[2]))
+    out, rstd, weights, _, _, P_next = torch.ops.attnres.depth_attention_fwd(
+        [s[0].detach(), s[1].detach()], s[3].detach(), s[4].detach(), 1e-6, 0.5, None, None,
+        False, s[2].detach())
+    bwd_args = (torch.randn_like(out), None, [s[0].detach(), P_next], s[3].detach(),
+                s[4].detach(), out, rstd, weights, 0.5)
+    for mask in ([True] * 4, [False, True, False, False]):
+        opcheck(torch.ops.attnres.depth_attention_bwd.default,
+                (*bwd_args, mask, None, None, torch.randn_like(P_next)))
+    with_sum = torch.ops.attnres.depth_attention_bwd(*bwd_args, [True] * 4, None, None,
+                                                      torch.ones_like(P_next))
+    without = torch.ops.attnres.depth_attention_bwd(*bwd_args, [True] * 4)
+    assert torch.equal(with_sum[0][1], without[0][1] + 1)  # P''s gradient joins the last source's
+    assert torch.equal(with_sum[0][0], without[0][0]) and torch.equal(with_sum[1], without[1])
+
+
+def test_one_call_vmap_over_the_sources():
+    p = one_call_problem(torch.float64, lead=(3, 4), D=8, seed=14)
+    fn = lambda a, b, c, d: depth_attention([a, b, c], p["query"], p["gain"], delta=d)  # noqa: E731
+    out, P_next = torch.vmap(fn)(*p["sources"], p["delta"])
+    want, want_P = fn(*p["sources"], p["delta"])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14)
+    assert torch.equal(P_next, want_P)
+    out, P_next = torch.vmap(fn, in_dims=(0, 0, 0, None))(*p["sources"], p["delta"][0])
+    assert torch.equal(P_next, p["sources"][2] + p["delta"][0])
+
+
 # ---- DepthStream: the add deferred into the next read --------------------------
 
 
-def run_stack(readers, weights, emb, S, modes=None):
+def run_stack(readers, weights, emb, S, modes=None, block_reads="two_phase"):
     """f_l = tanh(h_l @ W_l) read through declared readers, then a final
     read; `modes` (optional) is the grad mode of each read."""
-    stream = attnres.DepthStream(emb, block_size=S, block_reads="two_phase", readers=readers)
+    stream = attnres.DepthStream(emb, block_size=S, block_reads=block_reads, readers=readers)
     for l, (res, w) in enumerate(zip(readers[:-1], weights)):
         with torch.set_grad_enabled(modes[l] if modes else torch.is_grad_enabled()):
             h = res(stream)
@@ -203,11 +318,12 @@ def run_stack(readers, weights, emb, S, modes=None):
 
 
 class MergeCalls:
-    """Counts the stream's merges and those that took a delta."""
+    """Counts the stream's merges (or one-call reads) and those that took a
+    delta."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, names=("block_read_merge", "block_read_merge_inplace")):
         self.merges = self.fused = 0
-        for name in ("block_read_merge", "block_read_merge_inplace"):
+        for name in names:
             real = getattr(modules_mod, name)
 
             def call(*a, _real=real, **k):
@@ -246,6 +362,33 @@ def test_stream_reads_with_the_fused_add_are_bit_for_bit_the_unfused(dtype, L, S
         want_inference = run_stack(readers, weights, emb, S)
     assert torch.equal(out, want) and torch.equal(inference, want_inference)
     for i, (g, w) in enumerate(zip(grads, want_grads)):
+        assert (g is None) == (w is None), i
+        assert g is None or torch.equal(g, w), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_reads", ["one_call", "auto"])
+def test_one_call_stream_reads_fuse_bit_for_bit(dtype, block_reads, monkeypatch):
+    """The stream's one-call reads (block_reads="one_call", and "auto" below
+    its two-phase threshold or in bf16/fp16 training) take the deferred
+    output as delta, and change no bit of the reads or gradients."""
+    L, S = 9, 4
+    readers, weights = make_stack(L, 24, dtype, seed=7)
+    emb = torch.randn(3, 5, 24, dtype=torch.float64).to(dtype).requires_grad_()
+    params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
+
+    def run():
+        out = run_stack(readers, weights, emb, S, block_reads=block_reads)
+        grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+        with torch.no_grad():
+            inference = run_stack(readers, weights, emb, S, block_reads=block_reads)
+        return [out, inference, *grads]
+
+    calls = MergeCalls(monkeypatch, names=("depth_attention",))
+    got = run()
+    assert calls.fused > 0
+    unfused(monkeypatch)
+    for i, (g, w) in enumerate(zip(got, run())):
         assert (g is None) == (w is None), i
         assert g is None or torch.equal(g, w), i
 
@@ -325,6 +468,23 @@ def test_block_sum_output_needs_no_gradient_when_its_inputs_need_none():
     assert P_next.requires_grad
 
 
+@pytest.mark.parametrize("with_delta", [False, True], ids=["plain", "delta"])
+def test_the_reads_statistics_carry_no_gradient(with_delta):
+    """rstd, h (not kept), out_rstd (and the merge's weight) are never
+    differentiable outputs, with or without the prefix add."""
+    p = merge_problem(torch.float32, lead=(3,), D=8, seed=15)
+    P = p["P"].clone().requires_grad_()
+    d = p["delta"].clone().requires_grad_() if with_delta else None
+    outs = torch.ops.attnres.block_read_merge_fwd(p["partial"], p["lse"], P, p["query"], p["gain"],
+                                                  1e-6, 1.0, p["out_weight"], None, False, d)
+    assert outs[0].requires_grad and outs[5].requires_grad == with_delta
+    assert not any(t.requires_grad for t in outs[1:5])
+    outs = torch.ops.attnres.depth_attention_fwd([p["partial"], P], p["query"], p["gain"], 1e-6,
+                                                 1.0, p["out_weight"], None, False, d)
+    assert outs[0].requires_grad and outs[2].requires_grad and outs[5].requires_grad == with_delta
+    assert not any(t.requires_grad for t in (outs[1], outs[3], outs[4]))
+
+
 def test_a_failed_merge_keeps_the_deferred_output(monkeypatch):
     readers, weights = make_stack(3, 8, torch.float64, seed=5)
     emb = torch.randn(2, 8, dtype=torch.float64)
@@ -345,16 +505,17 @@ def test_a_failed_merge_keeps_the_deferred_output(monkeypatch):
     assert torch.equal(stream.sources[-1], f1 + f2)
 
 
-def test_compiled_block_gpt_fuses_without_graph_breaks(monkeypatch):
+@pytest.mark.parametrize("block_reads", ["two_phase", "one_call"])
+def test_compiled_block_gpt_fuses_without_graph_breaks(block_reads, monkeypatch):
     """A Block GPT with S = 4 (two deferred outputs a block) under
-    torch.compile(fullgraph=True): the fused merges are traced, and the loss
-    and gradients equal eager's."""
+    torch.compile(fullgraph=True): the fused merges (or one-call reads) are
+    traced, and the loss and gradients equal eager's."""
     from attnres.models import GPT, GPTConfig
     from helpers import randomize_reads
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=4, n_heads=2,
-                    residual="block", block_size=4, block_reads="two_phase")
+                    residual="block", block_size=4, block_reads=block_reads)
     model = GPT(cfg)
     randomize_reads(model)
     idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -366,7 +527,8 @@ def test_compiled_block_gpt_fuses_without_graph_breaks(monkeypatch):
         return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     want = loss_and_grads(model)
-    calls = MergeCalls(monkeypatch)
+    calls = MergeCalls(monkeypatch, names=("block_read_merge", "block_read_merge_inplace",
+                                           "depth_attention"))
     got = loss_and_grads(torch.compile(model, fullgraph=True, backend="aot_eager"))
     assert calls.fused > 0  # counted while tracing
     for g, w in zip(got, want):

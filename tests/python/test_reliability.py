@@ -136,7 +136,7 @@ BWD_POSITIONS = ["h", "rstd", "weights", "grad_out", "grad_weights", "query", "n
 @pytest.mark.parametrize("position", BWD_POSITIONS)
 def test_backward_meta_tensor_among_cpu_tensors_raises(position):
     srcs, q, g = _problem()
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
     dh = torch.randn_like(srcs[0])
     gw = torch.randn_like(w)
     meta = lambda t: t.to("meta")  # noqa: E731
@@ -166,7 +166,7 @@ def test_backward_meta_tensor_among_cpu_tensors_raises(position):
 def test_all_meta_backward_still_traces():
     """All-meta arguments are what the fake kernel is for: shapes, no error."""
     srcs, q, g = _problem()
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(*_fwd_args(srcs, q, g))
     m = lambda t: t.to("meta")  # noqa: E731
     grads, gq, gg = backward_op(m(torch.randn_like(srcs[0])), [m(s) for s in srcs], m(q), m(g), m(h),
                                 m(rstd), m(w), 1.0)[:3]
@@ -187,7 +187,7 @@ def test_non_finite_scale_raises(device, scale):
         attnres.depth_attention(srcs, q, g, scale=scale)
     with pytest.raises(ValueError, match="scale must be a finite number"):
         torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, scale)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, 1.0)
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd(list(srcs), q, g, 1e-6, 1.0)
     with pytest.raises(ValueError, match="scale must be a finite number"):
         backward_op(torch.randn_like(srcs[0]), srcs, q, g, h, rstd, w, scale)
 
@@ -456,7 +456,7 @@ def test_nested_query_and_backward_arguments_name_the_argument(quiet_nested):
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="query is a nested tensor"):
         torch.ops.attnres.depth_attention_fwd([x], torch.nested.nested_tensor([torch.zeros(4)]), None, 1e-6, 1.0)
-    h, rstd, w, _h, _out_rstd = torch.ops.attnres.depth_attention_fwd([x, x], torch.zeros(4), None, 1e-6,
+    h, rstd, w, _h, _out_rstd, _ = torch.ops.attnres.depth_attention_fwd([x, x], torch.zeros(4), None, 1e-6,
                                                                    1.0)
     nt = torch.nested.nested_tensor([torch.randn(4), torch.randn(4)])
     with pytest.raises(ValueError, match="grad_out is a nested tensor"):

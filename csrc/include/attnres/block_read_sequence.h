@@ -37,13 +37,6 @@ struct BlockReadsForwardCall {
   const OutNormForward* out_norm = nullptr;
 };
 
-// The fused prefix add of a merge: delta [..., D] (any strides) and the
-// contiguous P' = P + delta to fill.
-struct PrefixAdd {
-  const at::Tensor& delta;
-  at::Tensor& sum;
-};
-
 // Phase 2: one reader, one more source (the partial block sum), T > 0.
 struct MergeForwardCall {
   int64_t D, T;

@@ -111,7 +111,10 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
   friend class DepthStream;
   void check_width(const DepthStream& stream) const;
   at::Tensor read_one_call(const DepthStream& stream);
-  // out_weight as the ops take it (nullopt without an output norm).
+  // norm_weight and out_weight as the ops take them (nullopt when absent).
+  std::optional<at::Tensor> gain_or_none() const {
+    return norm_weight.defined() ? std::optional<at::Tensor>(norm_weight) : std::nullopt;
+  }
   std::optional<at::Tensor> out_weight_or_none() const {
     return out_weight.defined() ? std::optional<at::Tensor>(out_weight) : std::nullopt;
   }
@@ -215,6 +218,12 @@ class DepthStream {
   void check_declared(const AttnResResidualImpl& reader) const;
   // Adds a pending output to the partial sum, in the modes of its append.
   void settle() const;
+  // The pending output for a read to add (§12) when the read runs in the
+  // modes of its append (it is then no longer pending); otherwise it is
+  // added first, and none.
+  std::optional<at::Tensor> take_pending() const;
+  // A one-call read of the sources, the pending output added inside it.
+  at::Tensor read_one_call(AttnResResidualImpl& reader) const;
 
   at::Tensor embedding_;
   std::optional<int64_t> block_size_;

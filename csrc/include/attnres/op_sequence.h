@@ -54,6 +54,14 @@ struct OutNormBackward {
   at::Tensor& grad_weight;   // [D], accumulation dtype: to set; undefined: not wanted
 };
 
+// The fused prefix add of a read (docs/design.md §12): delta [..., D] (any
+// strides) and the contiguous P' = P + delta to fill, P being the read's
+// last source (the partial block sum).
+struct PrefixAdd {
+  const at::Tensor& delta;
+  at::Tensor& sum;
+};
+
 // What a device's forward kernel gets: outputs already allocated
 // (out contiguous in the sources' dtype; rstd and weights [N, ...]
 // contiguous in the accumulation dtype). Never called with T == 0.
@@ -67,6 +75,10 @@ struct ForwardCall {
   at::Tensor& weights;
   // Non-null (out_weight given): out gets RMSNorm(h) * out_norm->weight.
   const OutNormForward* out_norm = nullptr;
+  // Non-null (delta given): the last source is P, and the read is over P' =
+  // P + delta (rounded to the sources' dtype as torch.add), formed into
+  // prefix->sum and read from there.
+  const PrefixAdd* prefix = nullptr;
 };
 
 // What a device's backward kernel gets. grad_out is always defined (zeros
@@ -144,13 +156,15 @@ inline double resolve_out_eps(std::optional<double> out_eps, double eps) {
 }
 
 // The op's host functions: the schemas' arguments after the device's kernels.
-using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using ForwardResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using BackwardResult = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
 
 ForwardResult run_forward(const DeviceKernels& kernels, at::TensorList sources,
                           const at::Tensor& query, const std::optional<at::Tensor>& norm_weight,
                           double eps, double scale, const std::optional<at::Tensor>& out_weight,
-                          std::optional<double> out_eps, bool keep_h);
+                          std::optional<double> out_eps, bool keep_h,
+                          const std::optional<at::Tensor>& delta);
 
 BackwardResult run_backward(const DeviceKernels& kernels,
                             const std::optional<at::Tensor>& grad_out,
@@ -160,7 +174,8 @@ BackwardResult run_backward(const DeviceKernels& kernels,
                             const at::Tensor& rstd, const at::Tensor& weights, double scale,
                             const c10::List<bool>& output_mask,
                             const std::optional<at::Tensor>& out_weight,
-                            const std::optional<at::Tensor>& out_rstd);
+                            const std::optional<at::Tensor>& out_rstd,
+                            const std::optional<at::Tensor>& grad_prefix_out);
 
 // A host function with its first argument (the device's kernels) bound:
 // the op's kernel signature, registered as is, so a schema's arguments are

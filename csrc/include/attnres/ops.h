@@ -45,14 +45,18 @@ std::tuple<at::Tensor, at::Tensor> depth_attention_with_weights(
 // not differentiable). The output norm's statistics, as native_layer_norm
 // returns its own: h (the read before the norm, written only with keep_h)
 // and out_rstd [...] (the norm's rstd per token); both are empty tensors
-// without out_weight.
+// without out_weight. With delta (the fused prefix add, docs/design.md §12)
+// the last source is the partial block sum P, the read is over P' = P +
+// delta (rounded as at::add), and P' is the sixth result (empty without
+// delta); its gradient reaches P and delta.
 using DepthAttentionForward =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 DepthAttentionForward depth_attention_fwd(
     at::TensorList sources, const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight, double eps, double scale,
     const std::optional<at::Tensor>& out_weight = std::nullopt,
-    std::optional<double> out_eps = std::nullopt, bool keep_h = false);
+    std::optional<double> out_eps = std::nullopt, bool keep_h = false,
+    const std::optional<at::Tensor>& delta = std::nullopt);
 
 // The raw backward op, from the gradients of out and of the weights (either
 // may be absent), given the forward's h (its out without out_weight), rstd
@@ -62,7 +66,8 @@ DepthAttentionForward depth_attention_fwd(
 // gradients only, in source order; an unwanted query, gain or out_weight
 // gradient is undefined. The gain gradient can be asked for even when
 // norm_weight is absent: it is then the gradient of an implicit all-ones
-// gain.
+// gain. With the prefix add the last source is the forward's P', and
+// grad_prefix_out (P''s own gradient) is added to its gradient.
 using DepthAttentionBackward =
     std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>;
 DepthAttentionBackward depth_attention_bwd(
@@ -71,6 +76,7 @@ DepthAttentionBackward depth_attention_bwd(
     const std::optional<at::Tensor>& norm_weight, const at::Tensor& h, const at::Tensor& rstd,
     const at::Tensor& weights, double scale, const c10::List<bool>& output_mask,
     const std::optional<at::Tensor>& out_weight = std::nullopt,
-    const std::optional<at::Tensor>& out_rstd = std::nullopt);
+    const std::optional<at::Tensor>& out_rstd = std::nullopt,
+    const std::optional<at::Tensor>& grad_prefix_out = std::nullopt);
 
 }  // namespace attnres
