@@ -7,6 +7,7 @@
 #include "attnres/gradient_cache.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/core/DeviceGuard.h>
 
 namespace attnres {
@@ -20,6 +21,25 @@ at::Tensor effective_query(const at::Tensor& query,
   // bound our error by eager's), in one op in the common case (a gain,
   // scale 1) and none without a gain: a decode-sized read is host-bound.
   const bool has_gain = norm_weight.has_value() && norm_weight->defined();
+  // CPU parameters already in the accumulation dtype (the common case): one
+  // loop, the same two roundings, without an elementwise op's host cost.
+  auto plain_cpu = [acc](const at::Tensor& t) {
+    return t.is_cpu() && t.scalar_type() == acc && t.is_contiguous() && !t.is_neg();
+  };
+  if (plain_cpu(query) && (!has_gain || plain_cpu(*norm_weight))) {
+    at::Tensor u = at::empty(query.sizes(), query.options());
+    AT_DISPATCH_FLOATING_TYPES(acc, "attnres_effective_query", [&] {
+      const scalar_t* q = query.const_data_ptr<scalar_t>();
+      const scalar_t* g = has_gain ? norm_weight->const_data_ptr<scalar_t>() : nullptr;
+      const scalar_t s = static_cast<scalar_t>(scale);
+      scalar_t* out = u.data_ptr<scalar_t>();
+      for (int64_t i = 0, n = query.numel(); i < n; ++i) {
+        const scalar_t qs = scale != 1.0 ? q[i] * s : q[i];
+        out[i] = g ? qs * g[i] : qs;
+      }
+    });
+    return u;
+  }
   at::Tensor u = query.to(acc);
   if (scale != 1.0) {
     u = u.mul(scale);

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.attnres.*)
+from . import _C  # registers torch.ops.attnres.*; direct calls of three ops (_call)
 
 _SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -442,11 +442,25 @@ def _as_eps(value, name: str) -> Optional[float]:
     return None if value is None else _as_float(value, name)
 
 
-def _explain_not_implemented(sources, query, norm_weight) -> None:
+def _call(name: str, *args):
+    """torch.ops.attnres.<name>(*args), through _C's direct call of the op
+    where it takes the arguments as they are (plain tensors, no torch
+    function mode; it returns NotImplemented otherwise), outside
+    torch.compile: the op and the dispatcher are the same, without the
+    boxed call's argument parsing (about as long as a T = 1 read, §12)."""
+    if not torch.compiler.is_compiling():
+        result = getattr(_C, name)(*args)
+        if result is not NotImplemented:
+            return result
+    return getattr(torch.ops.attnres, name)(*args)
+
+
+def _explain_not_implemented(sources, query, norm_weight, out_weight, delta) -> None:
     for i, s in enumerate(sources):
         if isinstance(s, torch.Tensor):
             _check_dense(s, f"sources[{i}]")
-    for name, t in (("query", query), ("norm_weight", norm_weight)):
+    for name, t in (("query", query), ("norm_weight", norm_weight), ("out_weight", out_weight),
+                    ("delta", delta)):
         if isinstance(t, torch.Tensor):
             _check_dense(t, name)
 
@@ -497,13 +511,13 @@ def depth_attention(
     try:
         # With out_weight, h is kept for the backward by the op's autograd
         # when it records.
-        out, _rstd, weights, _h, _out_rstd, new_sum = torch.ops.attnres.depth_attention_fwd(
-            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"),
-            False, delta)
+        out, _rstd, weights, _h, _out_rstd, new_sum = _call(
+            "depth_attention_fwd", sources, query, norm_weight, eps_f, scale_f, out_weight,
+            _as_eps(out_eps, "out_eps"), False, delta)
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.
-        _explain_not_implemented(sources, query, norm_weight)
+        _explain_not_implemented(sources, query, norm_weight, out_weight, delta)
         raise
     result = (out, weights.to(torch.float32)) if return_weights else (out,)
     if delta is not None:
@@ -532,9 +546,9 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
     in the read, and ``(partial_out, block_sum + delta)`` is returned. No
     input may share memory with ``partial_out``. Raises when a gradient is
     wanted. CPU and CUDA."""
-    new_sum = torch.ops.attnres.block_read_merge_inplace(
-        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
-        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), delta)
+    new_sum = _call("block_read_merge_inplace", partial_out, lse, block_sum, query, norm_weight,
+                    _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
+                    _as_eps(out_eps, "out_eps"), delta)
     return partial_out if delta is None else (partial_out, new_sum)
 
 
@@ -578,9 +592,10 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     ``block_sum`` and ``delta``. Differentiable on CPU and CUDA."""
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
-    out, _rstd, _weight, _h, _out_rstd, new_sum = torch.ops.attnres.block_read_merge_fwd(
-        partial_out, lse, block_sum, query, norm_weight, _as_float(eps, "eps"),
-        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), False, delta)
+    out, _rstd, _weight, _h, _out_rstd, new_sum = _call(
+        "block_read_merge_fwd", partial_out, lse, block_sum, query, norm_weight,
+        _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"),
+        False, delta)
     return out if delta is None else (out, new_sum)
 
 

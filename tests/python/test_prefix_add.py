@@ -505,6 +505,26 @@ def test_a_failed_merge_keeps_the_deferred_output(monkeypatch):
     assert torch.equal(stream.sources[-1], f1 + f2)
 
 
+def test_a_failed_one_call_read_keeps_the_deferred_output(monkeypatch):
+    readers, _ = make_stack(3, 8, torch.float64, seed=8)
+    f1, f2 = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    stream = attnres.DepthStream(torch.randn(2, 8, dtype=torch.float64), block_size=4,
+                                 block_reads="one_call", readers=readers)
+    readers[0](stream)
+    stream.append(f1)
+    readers[1](stream)
+    stream.append(f2)
+
+    def fail(*a, **k):
+        raise RuntimeError("injected")
+    real = modules_mod.depth_attention
+    monkeypatch.setattr(modules_mod, "depth_attention", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        readers[2](stream)
+    monkeypatch.setattr(modules_mod, "depth_attention", real)
+    assert torch.equal(stream.sources[-1], f1 + f2)
+
+
 @pytest.mark.parametrize("block_reads", ["two_phase", "one_call"])
 def test_compiled_block_gpt_fuses_without_graph_breaks(block_reads, monkeypatch):
     """A Block GPT with S = 4 (two deferred outputs a block) under
