@@ -11,7 +11,7 @@ BUILD_INPUTS := $(shell find csrc cmake tests/cpp -path tests/cpp/aoti -prune -o
   setup.py CMakeLists.txt pyproject.toml \
   python/attnres/_version.py
 
-.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info fuzz sanitize sanitize-full
+.PHONY: test test-fast demo bench setup build py-test cpp-test cpp-install cpp-example sysdeps clean info fuzz sanitize sanitize-full FORCE
 
 test: py-test cpp-test cpp-example
 
@@ -60,9 +60,16 @@ $(VENV)/.stamp-deps: requirements-dev.txt
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	@touch $@
 
+# The GPU arch list of the build (TORCH_CUDA_ARCH_LIST, written only when it
+# changes): another list rebuilds (.ci/run compiles sm_90 alone).
+ARCHS_STAMP := $(VENV)/.stamp-cuda-archs
+$(ARCHS_STAMP): FORCE | $(VENV)/.stamp-deps
+	@printf '%s\n' "$$TORCH_CUDA_ARCH_LIST" | cmp -s - $@ || printf '%s\n' "$$TORCH_CUDA_ARCH_LIST" > $@
+FORCE:
+
 # One compile for everything: the editable install runs CMake in $(BUILD)
 # with the C++ tests enabled, and ctest reuses that build.
-$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(BUILD_INPUTS) | sysdeps
+$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(ARCHS_STAMP) $(BUILD_INPUTS) | sysdeps
 	ATTNRES_BUILD_DIR=$(BUILD) ATTNRES_BUILD_TESTS=1 $(VPY) -m pip install -q --no-build-isolation -e .
 	$(VPY) -m attnres info  # what the build decided: CPU and CUDA kernels compiled in
 	@touch $@

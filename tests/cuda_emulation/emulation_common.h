@@ -14,17 +14,31 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 namespace emulation {
 
 template <typename T>
-const char* dtype_name() {
+constexpr const char* dtype_name() {
   if constexpr (std::is_same_v<T, double>) return "float64";
   if constexpr (std::is_same_v<T, float>) return "float32";
   if constexpr (std::is_same_v<T, c10::BFloat16>) return "bfloat16";
   return "float16";
+}
+
+// Whether a dtype's cases are compiled in: every dtype, or with
+// -DATTNRES_EMULATE_ONLY='"bfloat16"' (a dtype_name) that one alone, so a
+// sanitized build instantiates only the kernels it runs (make sanitize
+// compiles one emulator per dtype, side by side).
+template <typename T>
+constexpr bool compiled_in() {
+#ifdef ATTNRES_EMULATE_ONLY
+  return std::string_view(dtype_name<T>()) == ATTNRES_EMULATE_ONLY;
+#else
+  return true;
+#endif
 }
 
 // One row of tests/tolerances.txt (the project's one tolerance table):

@@ -14,7 +14,9 @@
 # (every tile family but fp64's: float16 has bfloat16's 2-byte tiles and
 # memory accesses), one core each, each dtype on complementary halves of the
 # case list (float32 the even cases, bfloat16 the odd ones), for CI's time
-# limit (times in benchmarks/results/NOTES.md, "CI time"). pytest runs every
+# limit (times in benchmarks/results/NOTES.md, "CI time"). Each dtype's
+# emulator is compiled with that dtype's kernels alone
+# (-DATTNRES_EMULATE_ONLY), the builds side by side. pytest runs every
 # case of all four unsanitized (tests/python/test_cuda_emulation.py);
 # `make sanitize-full` runs every case of all four here.
 #
@@ -56,26 +58,35 @@ stamp "C++ tests under ASan+UBSan"
 ctest --test-dir "$BUILD" --output-on-failure
 
 stamp "CUDA-kernel emulation under ASan+UBSan"
-# build_emulator NAME: tests/cuda_emulation/NAME.cpp -> $BUILD/NAME, sanitized.
+# build_emulator NAME [OUT FLAGS...]: tests/cuda_emulation/NAME.cpp -> $BUILD/OUT
+# (default NAME), sanitized.
 build_emulator() {
-  g++ -std=c++20 -O1 -g -pthread $SAN \
+  local src=$1 out=${2:-$1}
+  g++ -std=c++20 -O1 -g -pthread $SAN "${@:3}" \
     -I tests/cuda_emulation -I csrc/cuda -I csrc/include -I "$TORCH_DIR/include" \
     -DATTNRES_TOLERANCES_FILE="\"$ROOT/tests/tolerances.txt\"" \
-    "tests/cuda_emulation/$1.cpp" -o "$BUILD/$1" \
+    "tests/cuda_emulation/$src.cpp" -o "$BUILD/$out" \
     -L "$TORCH_DIR/lib" -lc10 -Wl,-rpath,"$TORCH_DIR/lib"
 }
 fails=0
 EMU="$BUILD/emulate_kernels"
 BEMU="$BUILD/emulate_block_kernels"
-# The three emulators compile side by side (emulate_kernels alone takes
-# minutes under the sanitizers), then run side by side.
+DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32:0/2 bfloat16:1/2}
+# The emulators compile side by side (all four dtypes' kernels in one
+# program took 6 minutes under the sanitizers), then run side by side.
+builds=()
 build_emulator emulate_runtime_selftest &
-selftest_build=$!
+builds+=($!)
 build_emulator emulate_block_kernels &
-block_build=$!
-build_emulator emulate_kernels
-wait $selftest_build
-wait $block_build
+builds+=($!)
+for dtype in $(for d in $DTYPES; do echo "${d%%:*}"; done | sort -u); do
+  build_emulator emulate_kernels "emulate_kernels_$dtype" -DATTNRES_EMULATE_ONLY="\"$dtype\"" &
+  builds+=($!)
+done
+# Every build finishes (none left running) before a failed one fails the run.
+build_fails=0
+for pid in "${builds[@]}"; do wait "$pid" || build_fails=$((build_fails + 1)); done
+[ $build_fails -eq 0 ] || { echo "$build_fails emulator build(s) FAILED"; exit 1; }
 # The emulated runtime itself first: its fiber switches are what ASan must
 # follow (annotated in cuda_runtime.h).
 if "$BUILD/emulate_runtime_selftest" > "$BUILD/emulate_runtime_selftest.log" 2>&1; then
@@ -84,13 +95,12 @@ else
   echo "emulated runtime FAILED:"; tail -30 "$BUILD/emulate_runtime_selftest.log"; fails=$((fails + 1))
 fi
 # The dtypes (and the Block-read kernels) side by side.
-DTYPES=${ATTNRES_SANITIZE_DTYPES:-float32:0/2 bfloat16:1/2}
 declare -A pids
 for dtype in $DTYPES; do
   shard=all
   [[ $dtype == *:* ]] && shard=${dtype#*:}
   [ "$shard" = all ] && shard=0/1
-  "$EMU" "${dtype%%:*}" "$shard" > "$EMU.${dtype//[:\/]/_}.log" 2>&1 &
+  "${EMU}_${dtype%%:*}" "${dtype%%:*}" "$shard" > "$EMU.${dtype//[:\/]/_}.log" 2>&1 &
   pids[$dtype]=$!
 done
 "$BEMU" > "$BEMU.log" 2>&1 &
