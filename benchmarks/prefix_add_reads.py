@@ -1,5 +1,5 @@
 """Per-call time of a Block read with the sublayer's add, fused or not
-(docs/design.md §12), at decode and prefill sizes.
+(docs/design.md §12), at decode and prefill sizes (D = 64: the host path alone).
 
   python benchmarks/prefix_add_reads.py     # writes benchmarks/results/prefix_add_reads_<machine>.md
   python benchmarks/prefix_add_reads.py --quick   # a dry run: few sizes and calls, no file
@@ -117,7 +117,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args()
-    tokens, widths, Ns = ([1, 16], [64], [3]) if args.quick else ([1, 4, 16, 256], [1024, 7168], [3, 9])
+    tokens, widths, Ns = (([1, 16], [64], [3]) if args.quick
+                          else ([1, 4, 16, 256], [64, 1024, 7168], [3, 9]))
     rounds = 3 if args.quick else args.rounds
     machine = block_reads.machine_name()
     load_before = os.getloadavg()
