@@ -1,7 +1,7 @@
 // Makes the op library importable as `attnres._C`: importing it runs the
 // TORCH_LIBRARY registrations. Every op is reached through
 // torch.ops.attnres; besides, _C has a direct call of the reads a decode
-// step makes at every sublayer (depth_attention_fwd, block_read_merge_fwd,
+// step makes (depth_attention_fwd, block_reads_fwd, block_read_merge_fwd,
 // block_read_merge_inplace). It calls the same op through the dispatcher
 // (autograd, vmap, fake tensors and every device kernel as usual) without
 // torch.ops' boxed argument parsing, which costs about as much as a T = 1
@@ -119,6 +119,56 @@ PyObject* depth_attention_fwd(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// block_reads_fwd(sources, queries, norm_weights, eps, scale, out_weight,
+// out_eps, keep_h): phase 1, once per block.
+PyObject* block_reads_fwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *sources_obj, *queries_obj, *gains_obj, *eps_obj, *scale_obj, *out_weight_obj,
+      *out_eps_obj, *keep_h_obj;
+  if (!PyArg_UnpackTuple(args, "block_reads_fwd", 8, 8, &sources_obj, &queries_obj, &gains_obj,
+                         &eps_obj, &scale_obj, &out_weight_obj, &out_eps_obj, &keep_h_obj)) {
+    return nullptr;
+  }
+  std::vector<at::Tensor> sources;
+  at::Tensor queries;
+  std::optional<at::Tensor> gains, out_weight;
+  std::optional<double> out_eps;
+  double eps, scale;
+  if (at::impl::torch_function_mode_enabled() || !as_tensor_list(sources_obj, sources) ||
+      !as_tensor(queries_obj, queries) || !as_optional(gains_obj, gains) ||
+      !as_double(eps_obj, eps) || !as_double(scale_obj, scale) ||
+      !as_optional(out_weight_obj, out_weight) || !as_optional_double(out_eps_obj, out_eps) ||
+      !PyBool_Check(keep_h_obj)) {
+    return not_implemented();
+  }
+  attnres::BlockReadsForward result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = attnres::block_reads_fwd(sources, queries, gains, eps, scale, out_weight, out_eps,
+                                      keep_h_obj == Py_True);
+  }
+  auto& [partial_outs, lse, rstd, weights, h, out_rstd] = result;
+  THPObjectPtr partials(PyList_New(static_cast<Py_ssize_t>(partial_outs.size())));
+  if (!partials) return nullptr;
+  for (size_t i = 0; i < partial_outs.size(); ++i) {
+    PyObject* item = THPVariable_Wrap(partial_outs[i]);
+    if (!item) return nullptr;
+    PyList_SET_ITEM(partials.get(), static_cast<Py_ssize_t>(i), item);
+  }
+  THPObjectPtr rest(tensors_tuple({lse, rstd, weights, h, out_rstd}));
+  if (!rest) return nullptr;
+  THPObjectPtr tuple(PyTuple_New(6));
+  if (!tuple) return nullptr;
+  PyTuple_SET_ITEM(tuple.get(), 0, partials.release());
+  for (Py_ssize_t i = 0; i < 5; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(rest.get(), i);
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(tuple.get(), i + 1, item);
+  }
+  return tuple.release();
+  END_HANDLE_TH_ERRORS
+}
+
 // block_read_merge_fwd(partial_out, lse, block_sum, query, norm_weight, eps,
 // scale, out_weight, out_eps, keep_h, delta) and block_read_merge_inplace
 // (the same without keep_h).
@@ -180,6 +230,8 @@ PyObject* block_read_merge_inplace(PyObject* /*self*/, PyObject* args) {
 PyMethodDef methods[] = {
     {"depth_attention_fwd", depth_attention_fwd, METH_VARARGS,
      "torch.ops.attnres.depth_attention_fwd's direct call, or NotImplemented"},
+    {"block_reads_fwd", block_reads_fwd, METH_VARARGS,
+     "torch.ops.attnres.block_reads_fwd's direct call, or NotImplemented"},
     {"block_read_merge_fwd", block_read_merge_fwd, METH_VARARGS,
      "torch.ops.attnres.block_read_merge_fwd's direct call, or NotImplemented"},
     {"block_read_merge_inplace", block_read_merge_inplace, METH_VARARGS,

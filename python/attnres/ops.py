@@ -569,9 +569,9 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     Differentiable on CPU and CUDA."""
     # With out_weight, h_0 is kept for the backward by the op's autograd
     # when it records.
-    partial_outs, lse, _rstd, _weights, _h, _out_rstd = torch.ops.attnres.block_reads_fwd(
-        list(sources), queries, norm_weights, _as_float(eps, "eps"), _as_float(scale, "scale"),
-        out_weight, _as_eps(out_eps, "out_eps"))
+    partial_outs, lse, _rstd, _weights, _h, _out_rstd = _call(
+        "block_reads_fwd", list(sources), queries, norm_weights, _as_float(eps, "eps"),
+        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), False)
     return list(partial_outs), lse
 
 

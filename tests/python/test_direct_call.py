@@ -1,5 +1,5 @@
 """attnres._C's direct calls of the decode-step reads (depth_attention_fwd,
-block_read_merge_fwd, block_read_merge_inplace): the same op through the
+block_reads_fwd, block_read_merge_fwd, block_read_merge_inplace): the same op through the
 same dispatcher as torch.ops.attnres, so the same results, gradients and
 errors; NotImplemented for arguments __torch_function__ may handle, and
 never used while torch.compile traces (python/attnres/ops.py _call)."""
@@ -40,6 +40,13 @@ def test_direct_calls_equal_the_boxed_op(dtype):
         assert len(direct) == len(boxed) == 6
         for a, b in zip(direct, boxed):
             assert torch.equal(a, b) and a.dtype == b.dtype
+    qs = torch.stack([q, -0.5 * q])
+    for args in ([src, qs, None, 1e-6, 1.0, None, None, False],
+                 [src, qs, torch.stack([w, w]), 1e-6, 0.5, w, 1e-5, True]):
+        direct, boxed = _C.block_reads_fwd(*args), torch.ops.attnres.block_reads_fwd(*args)
+        assert isinstance(direct[0], list) and len(direct) == len(boxed) == 6
+        for a, b in zip([*direct[0], *direct[1:]], [*boxed[0], *boxed[1:]]):
+            assert torch.equal(a, b)
     partial, lse, P = merge_args(src, q, w)
     for args in ([partial, lse, P, q, w, 1e-6, 1.0, None, None, False, None],
                  [partial, lse, P, q, None, 1e-6, 1.0, w, None, True, delta]):
