@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -738,6 +739,33 @@ TEST(TwoPhaseBlockReads, InferenceMergesInPlaceWithTheSameResult) {
       "block_read_merge_inplace has no derivative");
 }
 
+// The fused prefix add's tests: a read's output and P', then the gradients
+// of a loss on both with respect to `inputs`.
+Tensors outputs_and_grads(const at::Tensor& out, const at::Tensor& P_next, const at::Tensor& w_out,
+                          const at::Tensor& w_sum, const Tensors& inputs) {
+  Tensors result = torch::autograd::grad({(out * w_out).sum() + (P_next * w_sum).sum()}, inputs);
+  result.insert(result.begin(), {out, P_next});
+  return result;
+}
+
+// run(true) (the fused read) equals run(false) (add, then read) bit for bit,
+// and no compared tensor is all zeros.
+void expect_fused_is_unfused(const std::function<Tensors(bool)>& run) {
+  const Tensors got = run(true), want = run(false);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_GT(want[i].count_nonzero().item<int64_t>(), 0) << i;
+    EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  }
+}
+
+std::vector<attnres::AttnResResidual> fp64_readers(int n) {
+  std::vector<attnres::AttnResResidual> readers;
+  for (int i = 0; i < n; ++i) {
+    readers.emplace_back(attnres::AttnResResidualOptions(kD).dtype(at::kDouble));
+  }
+  return readers;
+}
+
 // The fused prefix add (docs/design.md §12): the merge with delta is
 // torch.add then the plain merge, bit for bit, forward and gradients, and
 // the stream's deferred add is settled by anything that reads its sources.
@@ -765,20 +793,11 @@ TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenMergeBitForBit) {
       P_next = P + delta;
       out = attnres::block_read_merge(partials[1], lse[1], P_next, queries[1], gains[1]);
     }
-    Tensors result = torch::autograd::grad({(out * w_out).sum() + (P_next * w_sum).sum()}, inputs);
-    result.insert(result.begin(), {out, P_next});
-    return result;
+    return outputs_and_grads(out, P_next, w_out, w_sum, inputs);
   };
-  const Tensors got = run(true), want = run(false);
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_GT(want[i].count_nonzero().item<int64_t>(), 0) << i;
-    EXPECT_TRUE(at::equal(got[i], want[i])) << i;
-  }
+  expect_fused_is_unfused(run);
   // The stream defers f2 into the next read; sources() and a copy see it.
-  std::vector<attnres::AttnResResidual> readers;
-  for (int i = 0; i < 3; ++i) {
-    readers.emplace_back(attnres::AttnResResidualOptions(kD).dtype(at::kDouble));
-  }
+  std::vector<attnres::AttnResResidual> readers = fp64_readers(3);
   attnres::DepthStream stream(at::randn({2, kD}, at::kDouble), 4, attnres::BlockReads::kTwoPhase,
                               readers);
   const at::Tensor f1 = at::randn({2, kD}, at::kDouble), f2 = at::randn({2, kD}, at::kDouble);
@@ -832,19 +851,10 @@ TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenOneCallReadBitForBit) {
       out = attnres::depth_attention({sources[0], sources[1], P_next}, query, gain, 1e-6, 1.0,
                                      out_weight);
     }
-    Tensors result = torch::autograd::grad({(out * w_out).sum() + (P_next * w_sum).sum()}, inputs);
-    result.insert(result.begin(), {out, P_next});
-    return result;
+    return outputs_and_grads(out, P_next, w_out, w_sum, inputs);
   };
-  const Tensors got = run(true), want = run(false);
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_GT(want[i].count_nonzero().item<int64_t>(), 0) << i;
-    EXPECT_TRUE(at::equal(got[i], want[i])) << i;
-  }
-  std::vector<attnres::AttnResResidual> readers;
-  for (int i = 0; i < 3; ++i) {
-    readers.emplace_back(attnres::AttnResResidualOptions(kD).dtype(at::kDouble));
-  }
+  expect_fused_is_unfused(run);
+  std::vector<attnres::AttnResResidual> readers = fp64_readers(3);
   const at::Tensor g1 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
   const at::Tensor g2 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
   attnres::DepthStream stream(at::randn({2, kD}, at::kDouble), 4, attnres::BlockReads::kOneCall,
