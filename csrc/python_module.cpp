@@ -26,205 +26,143 @@
 
 namespace {
 
-// An argument as the op takes it: a plain tensor (or nn.Parameter), or None
-// for an optional one; false for anything else.
-bool as_tensor(PyObject* obj, at::Tensor& out) {
+// One argument as the op takes it, or false for anything torch.ops should
+// see instead: a plain tensor (or nn.Parameter), None for an optional one,
+// a Python float for a float, a bool for a bool, a list of tensors.
+bool take(PyObject* obj, at::Tensor& out) {
   if (!THPVariable_CheckExact(obj)) return false;
   out = THPVariable_Unpack(obj);
   return true;
 }
 
-bool as_optional(PyObject* obj, std::optional<at::Tensor>& out) {
-  if (obj == Py_None) return true;
-  at::Tensor t;
-  if (!as_tensor(obj, t)) return false;
-  out = std::move(t);
-  return true;
-}
-
-// A float argument as the op's `float`: a Python float only (anything else
-// is torch.ops' to convert or refuse).
-bool as_double(PyObject* obj, double& out) {
+bool take(PyObject* obj, double& out) {
   if (!PyFloat_CheckExact(obj)) return false;
   out = PyFloat_AS_DOUBLE(obj);
   return true;
 }
 
-bool as_optional_double(PyObject* obj, std::optional<double>& out) {
-  if (obj == Py_None) return true;
-  double value;
-  if (!as_double(obj, value)) return false;
-  out = value;
+bool take(PyObject* obj, bool& out) {
+  if (!PyBool_Check(obj)) return false;
+  out = obj == Py_True;
   return true;
 }
 
-bool as_tensor_list(PyObject* obj, std::vector<at::Tensor>& out) {
+template <class T>
+bool take(PyObject* obj, std::optional<T>& out) {
+  if (obj == Py_None) return true;
+  T value;
+  if (!take(obj, value)) return false;
+  out = std::move(value);
+  return true;
+}
+
+bool take(PyObject* obj, std::vector<at::Tensor>& out) {
   if (!PyList_CheckExact(obj)) return false;
   const Py_ssize_t n = PyList_GET_SIZE(obj);
   out.resize(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!as_tensor(PyList_GET_ITEM(obj, i), out[i])) return false;
+    if (!take(PyList_GET_ITEM(obj, i), out[i])) return false;
   }
   return true;
 }
 
-PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
+enum class Taken { kAll, kNotImplemented, kError };
 
-// Tensors as a Python tuple (a new reference; none leaks if wrapping fails).
-PyObject* tensors_tuple(std::initializer_list<at::Tensor> tensors) {
-  THPObjectPtr tuple(PyTuple_New(static_cast<Py_ssize_t>(tensors.size())));
+// The positional arguments `args` of `name`, one per output, all taken; or
+// kNotImplemented (torch.ops should take the call: a torch function mode is
+// on, or an argument is not of the op's exact types); or kError (a wrong
+// count: a Python error is set).
+template <class... T>
+Taken take_args(PyObject* args, const char* name, T&... out) {
+  constexpr Py_ssize_t n = sizeof...(T);
+  if (PyTuple_GET_SIZE(args) != n) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments (%zd given)", name, n,
+                 PyTuple_GET_SIZE(args));
+    return Taken::kError;
+  }
+  if (at::impl::torch_function_mode_enabled()) return Taken::kNotImplemented;
+  Py_ssize_t i = 0;
+  const bool all = (take(PyTuple_GET_ITEM(args, i++), out) && ...);
+  return all ? Taken::kAll : Taken::kNotImplemented;
+}
+
+// An op's result as Python objects (new references): a tensor, a list of
+// tensors, a tuple of these.
+PyObject* wrap(const at::Tensor& t) { return THPVariable_Wrap(t); }
+
+PyObject* wrap(const std::vector<at::Tensor>& tensors) {
+  THPObjectPtr list(PyList_New(static_cast<Py_ssize_t>(tensors.size())));
+  if (!list) return nullptr;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    PyObject* item = wrap(tensors[i]);
+    if (!item) return nullptr;
+    PyList_SET_ITEM(list.get(), static_cast<Py_ssize_t>(i), item);
+  }
+  return list.release();
+}
+
+bool set_item(PyObject* tuple, Py_ssize_t i, PyObject* item) {
+  if (!item) return false;
+  PyTuple_SET_ITEM(tuple, i, item);
+  return true;
+}
+
+template <class... T>
+PyObject* wrap(const std::tuple<T...>& result) {
+  THPObjectPtr tuple(PyTuple_New(sizeof...(T)));
   if (!tuple) return nullptr;
   Py_ssize_t i = 0;
-  for (const auto& t : tensors) {
-    PyObject* item = THPVariable_Wrap(t);
-    if (!item) return nullptr;
-    PyTuple_SET_ITEM(tuple.get(), i++, item);
-  }
-  return tuple.release();
+  const bool ok = std::apply(
+      [&](const auto&... item) { return (set_item(tuple.get(), i++, wrap(item)) && ...); },
+      result);
+  return ok ? tuple.release() : nullptr;
 }
 
+// The direct call of one op: its C++ API function `fn` with the arguments
+// taken from `args` (as the schema orders them), the GIL released while it
+// runs; NotImplemented where torch.ops should take the call.
+template <auto fn, class... A>
+PyObject* direct_call(PyObject* args, const char* name) {
+  HANDLE_TH_ERRORS
+  std::tuple<A...> values;
+  const Taken taken =
+      std::apply([&](auto&... v) { return take_args(args, name, v...); }, values);
+  if (taken == Taken::kError) return nullptr;
+  if (taken == Taken::kNotImplemented) Py_RETURN_NOTIMPLEMENTED;
+  decltype(std::apply(fn, values)) result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = std::apply(fn, values);
+  }
+  return wrap(result);
+  END_HANDLE_TH_ERRORS
+}
 
-// depth_attention_fwd(sources, query, norm_weight, eps, scale, out_weight,
-// out_eps, keep_h, delta): the op's arguments, all positional.
+using Tensors = std::vector<at::Tensor>;
+using OptTensor = std::optional<at::Tensor>;
+using OptDouble = std::optional<double>;
+
+// The ops' arguments, all positional, in the schemas' order.
 PyObject* depth_attention_fwd(PyObject* /*self*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *sources_obj, *query_obj, *gain_obj, *eps_obj, *scale_obj, *out_weight_obj,
-      *out_eps_obj, *keep_h_obj, *delta_obj;
-  if (!PyArg_UnpackTuple(args, "depth_attention_fwd", 9, 9, &sources_obj, &query_obj, &gain_obj,
-                         &eps_obj, &scale_obj, &out_weight_obj, &out_eps_obj, &keep_h_obj,
-                         &delta_obj)) {
-    return nullptr;
-  }
-  std::vector<at::Tensor> sources;
-  at::Tensor query;
-  std::optional<at::Tensor> gain, out_weight, delta;
-  std::optional<double> out_eps;
-  double eps, scale;
-  if (at::impl::torch_function_mode_enabled() || !as_tensor_list(sources_obj, sources) ||
-      !as_tensor(query_obj, query) || !as_optional(gain_obj, gain) || !as_double(eps_obj, eps) ||
-      !as_double(scale_obj, scale) || !as_optional(out_weight_obj, out_weight) ||
-      !as_optional_double(out_eps_obj, out_eps) || !PyBool_Check(keep_h_obj) ||
-      !as_optional(delta_obj, delta)) {
-    return not_implemented();
-  }
-  const bool keep_h = keep_h_obj == Py_True;
-  attnres::DepthAttentionForward result;
-  {
-    pybind11::gil_scoped_release no_gil;
-    result = attnres::depth_attention_fwd(sources, query, gain, eps, scale, out_weight, out_eps,
-                                          keep_h, delta);
-  }
-  auto& [out, rstd, weights, h, out_rstd, prefix_out] = result;
-  return tensors_tuple({out, rstd, weights, h, out_rstd, prefix_out});
-  END_HANDLE_TH_ERRORS
+  return direct_call<&attnres::depth_attention_fwd, Tensors, at::Tensor, OptTensor, double,
+                     double, OptTensor, OptDouble, bool, OptTensor>(args, "depth_attention_fwd");
 }
 
-// block_reads_fwd(sources, queries, norm_weights, eps, scale, out_weight,
-// out_eps, keep_h): phase 1, once per block.
 PyObject* block_reads_fwd(PyObject* /*self*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject *sources_obj, *queries_obj, *gains_obj, *eps_obj, *scale_obj, *out_weight_obj,
-      *out_eps_obj, *keep_h_obj;
-  if (!PyArg_UnpackTuple(args, "block_reads_fwd", 8, 8, &sources_obj, &queries_obj, &gains_obj,
-                         &eps_obj, &scale_obj, &out_weight_obj, &out_eps_obj, &keep_h_obj)) {
-    return nullptr;
-  }
-  std::vector<at::Tensor> sources;
-  at::Tensor queries;
-  std::optional<at::Tensor> gains, out_weight;
-  std::optional<double> out_eps;
-  double eps, scale;
-  if (at::impl::torch_function_mode_enabled() || !as_tensor_list(sources_obj, sources) ||
-      !as_tensor(queries_obj, queries) || !as_optional(gains_obj, gains) ||
-      !as_double(eps_obj, eps) || !as_double(scale_obj, scale) ||
-      !as_optional(out_weight_obj, out_weight) || !as_optional_double(out_eps_obj, out_eps) ||
-      !PyBool_Check(keep_h_obj)) {
-    return not_implemented();
-  }
-  attnres::BlockReadsForward result;
-  {
-    pybind11::gil_scoped_release no_gil;
-    result = attnres::block_reads_fwd(sources, queries, gains, eps, scale, out_weight, out_eps,
-                                      keep_h_obj == Py_True);
-  }
-  auto& [partial_outs, lse, rstd, weights, h, out_rstd] = result;
-  THPObjectPtr partials(PyList_New(static_cast<Py_ssize_t>(partial_outs.size())));
-  if (!partials) return nullptr;
-  for (size_t i = 0; i < partial_outs.size(); ++i) {
-    PyObject* item = THPVariable_Wrap(partial_outs[i]);
-    if (!item) return nullptr;
-    PyList_SET_ITEM(partials.get(), static_cast<Py_ssize_t>(i), item);
-  }
-  THPObjectPtr rest(tensors_tuple({lse, rstd, weights, h, out_rstd}));
-  if (!rest) return nullptr;
-  THPObjectPtr tuple(PyTuple_New(6));
-  if (!tuple) return nullptr;
-  PyTuple_SET_ITEM(tuple.get(), 0, partials.release());
-  for (Py_ssize_t i = 0; i < 5; ++i) {
-    PyObject* item = PyTuple_GET_ITEM(rest.get(), i);
-    Py_INCREF(item);
-    PyTuple_SET_ITEM(tuple.get(), i + 1, item);
-  }
-  return tuple.release();
-  END_HANDLE_TH_ERRORS
-}
-
-// block_read_merge_fwd(partial_out, lse, block_sum, query, norm_weight, eps,
-// scale, out_weight, out_eps, keep_h, delta) and block_read_merge_inplace
-// (the same without keep_h).
-PyObject* merge(PyObject* args, bool in_place) {
-  PyObject *partial_obj, *lse_obj, *sum_obj, *query_obj, *gain_obj, *eps_obj, *scale_obj,
-      *out_weight_obj, *out_eps_obj, *keep_h_obj = Py_False, *delta_obj;
-  const bool parsed =
-      in_place ? PyArg_UnpackTuple(args, "block_read_merge_inplace", 10, 10, &partial_obj,
-                                   &lse_obj, &sum_obj, &query_obj, &gain_obj, &eps_obj,
-                                   &scale_obj, &out_weight_obj, &out_eps_obj, &delta_obj)
-               : PyArg_UnpackTuple(args, "block_read_merge_fwd", 11, 11, &partial_obj, &lse_obj,
-                                   &sum_obj, &query_obj, &gain_obj, &eps_obj, &scale_obj,
-                                   &out_weight_obj, &out_eps_obj, &keep_h_obj, &delta_obj);
-  if (!parsed) return nullptr;
-  at::Tensor partial, lse, block_sum, query;
-  std::optional<at::Tensor> gain, out_weight, delta;
-  std::optional<double> out_eps;
-  double eps, scale;
-  if (at::impl::torch_function_mode_enabled() || !as_tensor(partial_obj, partial) ||
-      !as_tensor(lse_obj, lse) || !as_tensor(sum_obj, block_sum) ||
-      !as_tensor(query_obj, query) || !as_optional(gain_obj, gain) || !as_double(eps_obj, eps) ||
-      !as_double(scale_obj, scale) || !as_optional(out_weight_obj, out_weight) ||
-      !as_optional_double(out_eps_obj, out_eps) || !PyBool_Check(keep_h_obj) ||
-      !as_optional(delta_obj, delta)) {
-    return not_implemented();
-  }
-  const bool keep_h = keep_h_obj == Py_True;
-  if (in_place) {
-    at::Tensor sum;
-    {
-      pybind11::gil_scoped_release no_gil;
-      sum = attnres::block_read_merge_inplace(partial, lse, block_sum, query, gain, eps, scale,
-                                              out_weight, out_eps, delta);
-    }
-    return THPVariable_Wrap(sum);
-  }
-  attnres::MergeForward result;
-  {
-    pybind11::gil_scoped_release no_gil;
-    result = attnres::block_read_merge_fwd(partial, lse, block_sum, query, gain, eps, scale,
-                                           out_weight, out_eps, keep_h, delta);
-  }
-  auto& [out, rstd, weight, h, out_rstd, sum] = result;
-  return tensors_tuple({out, rstd, weight, h, out_rstd, sum});
+  return direct_call<&attnres::block_reads_fwd, Tensors, at::Tensor, OptTensor, double, double,
+                     OptTensor, OptDouble, bool>(args, "block_reads_fwd");
 }
 
 PyObject* block_read_merge_fwd(PyObject* /*self*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  return merge(args, /*in_place=*/false);
-  END_HANDLE_TH_ERRORS
+  return direct_call<&attnres::block_read_merge_fwd, at::Tensor, at::Tensor, at::Tensor,
+                     at::Tensor, OptTensor, double, double, OptTensor, OptDouble, bool,
+                     OptTensor>(args, "block_read_merge_fwd");
 }
 
 PyObject* block_read_merge_inplace(PyObject* /*self*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  return merge(args, /*in_place=*/true);
-  END_HANDLE_TH_ERRORS
+  return direct_call<&attnres::block_read_merge_inplace, at::Tensor, at::Tensor, at::Tensor,
+                     at::Tensor, OptTensor, double, double, OptTensor, OptDouble, OptTensor>(
+      args, "block_read_merge_inplace");
 }
 
 PyMethodDef methods[] = {
