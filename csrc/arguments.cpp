@@ -249,4 +249,17 @@ DepthProblem check_backward_args(const std::optional<at::Tensor>& grad_out,
   return p;
 }
 
+bool shares_memory(const at::Tensor& contiguous, const at::Tensor& t) {
+  if (contiguous.numel() == 0 || t.numel() == 0 || !t.has_storage() ||
+      !contiguous.storage().is_alias_of(t.storage()))
+    return false;
+  const int64_t a0 = contiguous.storage_offset() * contiguous.element_size();
+  const int64_t a1 = a0 + contiguous.numel() * contiguous.element_size();
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const int64_t b0 = t.storage_offset() * t.element_size();
+  const int64_t b1 = b0 + extent * t.element_size();
+  return a0 < b1 && b0 < a1;
+}
+
 }  // namespace attnres

@@ -70,22 +70,6 @@ DepthProblem check_merge_args(const at::Tensor& partial_out, const at::Tensor& l
   return p;
 }
 
-// Whether two tensors' byte spans in one storage intersect. A span test and
-// not at::get_overlap_status: that one answers "too hard" for strided views
-// (an lse viewing a column of partial_out), which must be refused too.
-bool shares_memory(const at::Tensor& contiguous, const at::Tensor& t) {
-  if (contiguous.numel() == 0 || t.numel() == 0 || !t.has_storage() ||
-      !contiguous.storage().is_alias_of(t.storage()))
-    return false;
-  const int64_t a0 = contiguous.storage_offset() * contiguous.element_size();
-  const int64_t a1 = a0 + contiguous.numel() * contiguous.element_size();
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  const int64_t b0 = t.storage_offset() * t.element_size();
-  const int64_t b1 = b0 + extent * t.element_size();
-  return a0 < b1 && b0 < a1;
-}
-
 // The in-place merge writes its read over partial_out while it reads every
 // other input: partial_out contiguous, and no input sharing memory with it.
 void check_merge_in_place(const at::Tensor& partial_out,

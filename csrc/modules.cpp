@@ -66,11 +66,13 @@ std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
 // ---- DepthStream ------------------------------------------------------------
 
 DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size,
-                         BlockReads block_reads, std::vector<AttnResResidual> readers)
+                         BlockReads block_reads, std::vector<AttnResResidual> readers,
+                         at::Tensor block_storage)
     : embedding_(std::move(embedding)),
       block_reads_(block_reads),
       readers_(std::move(readers)),
-      reads_(std::make_shared<detail::BlockReadState>()) {
+      reads_(std::make_shared<detail::BlockReadState>()),
+      block_storage_(std::move(block_storage)) {
   TORCH_CHECK_TYPE(embedding_.defined(),
                    "embedding must be a tensor [..., D], got an undefined tensor");
   TORCH_CHECK_VALUE(embedding_.dim() >= 1 && embedding_.size(-1) != 0,
@@ -88,6 +90,60 @@ DepthStream::DepthStream(at::Tensor embedding, std::optional<int64_t> block_size
                     "block_reads='two_phase' needs the stream's readers declared: "
                     "DepthStream(..., readers=[the AttnResResidual modules in read order])");
   completed_.push_back(embedding_);
+  if (block_storage_.defined()) check_block_storage();
+}
+
+void DepthStream::check_block_storage() {
+  const at::Tensor& storage = block_storage_;
+  TORCH_CHECK_VALUE(block_size_.has_value(),
+                    "block_storage is for Block streams (block_size=S): a Full stream keeps each "
+                    "output itself");
+  const auto shape = embedding_.sizes();
+  std::string wanted = "[R";
+  for (const int64_t n : shape) wanted += ", " + std::to_string(n);
+  TORCH_CHECK_VALUE(storage.dim() == embedding_.dim() + 1 && storage.sizes().slice(1) == shape &&
+                        storage.size(0) >= 1,
+                    "block_storage must have shape ", wanted,
+                    "] (rows, then the embedding's shape) with R >= 1, got ", storage.sizes());
+  TORCH_CHECK_TYPE(storage.scalar_type() == dtype(), "block_storage has dtype ",
+                   py_dtype(storage.scalar_type()), " but the stream's dtype (its embedding's) is ",
+                   py_dtype(dtype()));
+  TORCH_CHECK_VALUE(storage.device() == device(), "block_storage is on device ", storage.device(),
+                    " but the stream is on device ", device());
+  TORCH_CHECK_VALUE(storage.is_contiguous(),
+                    "block_storage must be contiguous (each block's row is written in place)");
+  TORCH_CHECK_VALUE(!storage.requires_grad(),
+                    "block_storage must not require grad: the stream writes its rows in place (it "
+                    "is for inference)");
+  TORCH_CHECK_VALUE(!shares_memory(storage, embedding_),
+                    "block_storage must not share memory with the embedding");
+  rows_ = storage.unbind(0);
+}
+
+void DepthStream::check_storage_current() const {
+  TORCH_CHECK_VALUE(writes_seen_ == *storage_writes_,
+                    "DepthStream: another stream sharing this stream's block_storage (a clone) "
+                    "has appended since, so its rows no longer hold this stream's sums; only one "
+                    "of the streams sharing block storage may go on");
+}
+
+const at::Tensor& DepthStream::storage_row(const at::Tensor& f) const {
+  check_storage_current();
+  TORCH_CHECK_VALUE(!(f.requires_grad() && at::GradMode::is_enabled()),
+                    "DepthStream.append: a stream with block_storage writes its blocks in place "
+                    "and is for inference, but this output requires grad; append under "
+                    "torch.no_grad() or torch.inference_mode(), or build the stream without "
+                    "block_storage");
+  const size_t k = completed_.size() - 1;
+  TORCH_CHECK_VALUE(k < rows_.size(), "DepthStream.append: block_storage has ", rows_.size(),
+                    " rows but output ", num_outputs_ + 1, " belongs to block ", k + 1,
+                    "; give it at least ceil(outputs / block_size) rows");
+  return rows_[k];
+}
+
+DepthStream DepthStream::clone() const {
+  if (!rows_.empty()) check_storage_current();
+  return *this;
 }
 
 DepthStream DepthStream::from_sources(at::Tensor embedding,
@@ -155,6 +211,7 @@ at::Tensor DepthStream::read_one_call(AttnResResidualImpl& reader) const {
 }
 
 std::vector<at::Tensor> DepthStream::sources() const {
+  if (!rows_.empty()) check_storage_current();
   settle();
   std::vector<at::Tensor> out = completed_;
   if (partial_.defined()) out.push_back(partial_);
@@ -167,12 +224,21 @@ int64_t DepthStream::num_sources() const {
 
 void DepthStream::append(const at::Tensor& output) {
   at::Tensor f = checked_output(output);
-  ++num_outputs_;
   if (!block_size_) {
+    ++num_outputs_;
     completed_.push_back(std::move(f));
     return;
   }
-  if (!partial_.defined()) {
+  if (!rows_.empty()) {
+    const at::Tensor& row = storage_row(f);
+    if (partial_.defined()) {
+      row.add_(f);  // rounded once, as partial + f
+    } else {
+      row.copy_(f);
+    }
+    partial_ = row;
+    writes_seen_ = ++*storage_writes_;
+  } else if (!partial_.defined()) {
     partial_ = f;
   } else if (!readers_.empty() && in_partial_ + 1 < *block_size_) {
     // A later read of this block may add f in its merge (§12).
@@ -184,6 +250,7 @@ void DepthStream::append(const at::Tensor& output) {
     settle();
     partial_ = partial_ + f;  // out of place: autograd sees each step
   }
+  ++num_outputs_;
   if (++in_partial_ == *block_size_) {
     completed_.push_back(partial_);
     partial_ = at::Tensor();
@@ -217,6 +284,7 @@ void DepthStream::check_declared(const AttnResResidualImpl& reader) const {
 
 at::Tensor DepthStream::read(AttnResResidualImpl& reader) const {
   if (!readers_.empty()) check_declared(reader);
+  if (!rows_.empty()) check_storage_current();
   const int64_t num_completed = static_cast<int64_t>(completed_.size());
   if (!block_size_ || !two_phase(num_completed)) return read_one_call(reader);
   detail::BlockReadState& state = *reads_;

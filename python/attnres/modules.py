@@ -110,11 +110,24 @@ class DepthStream:
     first. So do not change an appended output in place. It is a pytree of
     its tensors (:meth:`flatten`), so FSDP2, pipelining, checkpointing, hooks
     and ``torch.compile`` see them.
+
+    ``block_storage`` (Block streams, for inference and CUDA graphs): a
+    preallocated contiguous tensor ``[R, *embedding.shape]`` in the stream's
+    dtype and device. Block ``k``'s sum is then built in row ``k`` in place
+    (its first output copied in, the others added), so completed blocks and
+    partial sums allocate nothing, and the reads take the rows as views.
+    Appends then add at once (no fused prefix add: that writes a new P'),
+    and an output that needs a gradient under grad mode is refused (in-place
+    writes to one buffer would invalidate the views a backward saves). A
+    clone shares the rows: once one of the streams sharing them appends, the
+    others refuse to read or append. R must cover every block the stream
+    starts: ``ceil(outputs / block_size)``.
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None, *,
                  block_reads: str = "auto",
-                 readers: Optional[Sequence["AttnResResidual"]] = None):
+                 readers: Optional[Sequence["AttnResResidual"]] = None,
+                 block_storage: Optional[torch.Tensor] = None):
         if not isinstance(embedding, torch.Tensor):
             raise TypeError(f"embedding must be a tensor [..., D], got {type(embedding).__name__}")
         if embedding.dim() < 1 or embedding.shape[-1] == 0:
@@ -153,6 +166,14 @@ class DepthStream:
         self._pending_mode: Tuple[bool, bool] = (False, False)
         self._in_partial = 0  # outputs summed into the current block so far
         self.num_outputs = 0  # sublayer outputs appended so far
+        self.block_storage = block_storage
+        # Row k of block_storage holds block k's sum (None: no storage). The
+        # streams sharing the rows (clones) share _storage_writes, the number
+        # of appends made to them; each knows how many it has seen.
+        self._rows: Optional[List[torch.Tensor]] = (
+            None if block_storage is None else self._storage_rows(block_storage))
+        self._storage_writes = [0]
+        self._writes_seen = 0
 
     @classmethod
     def from_sources(cls, embedding: torch.Tensor, completed: Sequence[torch.Tensor] = (),
@@ -183,9 +204,72 @@ class DepthStream:
         stream.num_outputs = len(completed) * (S or 1) + partial_count
         return stream
 
+    def _storage_rows(self, storage) -> List[torch.Tensor]:
+        """block_storage checked, as its rows (views, made once: phase 1
+        knows a block by the identity of its last completed source)."""
+        if self.block_size is None:
+            raise ValueError(
+                "block_storage is for Block streams (block_size=S): a Full stream keeps each "
+                "output itself"
+            )
+        if not isinstance(storage, torch.Tensor):
+            raise TypeError(f"block_storage must be a tensor [R, ..., D], got {type(storage).__name__}")
+        shape = list(self.embedding.shape)
+        if storage.dim() != len(shape) + 1 or list(storage.shape[1:]) != shape or storage.shape[0] < 1:
+            raise ValueError(
+                f"block_storage must have shape [R, {', '.join(map(str, shape))}] (rows, then the "
+                f"embedding's shape) with R >= 1, got {list(storage.shape)}"
+            )
+        if storage.dtype != self.dtype:
+            raise TypeError(
+                f"block_storage has dtype {storage.dtype} but the stream's dtype (its "
+                f"embedding's) is {self.dtype}"
+            )
+        if storage.device != self.device:
+            raise ValueError(
+                f"block_storage is on device {storage.device} but the stream is on device {self.device}"
+            )
+        if not storage.is_contiguous():
+            raise ValueError("block_storage must be contiguous (each block's row is written in place)")
+        if storage.requires_grad:
+            raise ValueError(
+                "block_storage must not require grad: the stream writes its rows in place (it is "
+                "for inference)"
+            )
+        if ops._shares_memory(storage, self.embedding):
+            raise ValueError("block_storage must not share memory with the embedding")
+        return list(storage.unbind(0))
+
+    def _check_storage_current(self) -> None:
+        if self._writes_seen != self._storage_writes[0]:
+            raise ValueError(
+                "DepthStream: another stream sharing this stream's block_storage (a clone) has "
+                "appended since, so its rows no longer hold this stream's sums; only one of the "
+                "streams sharing block storage may go on"
+            )
+
+    def _storage_row(self, f: torch.Tensor) -> torch.Tensor:
+        """The row that the output f is added into, or the reason it cannot be."""
+        self._check_storage_current()
+        if f.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "DepthStream.append: a stream with block_storage writes its blocks in place and "
+                "is for inference, but this output requires grad; append under torch.no_grad() "
+                "or torch.inference_mode(), or build the stream without block_storage"
+            )
+        k = len(self._completed) - 1
+        if k >= len(self._rows):
+            raise ValueError(
+                f"DepthStream.append: block_storage has {len(self._rows)} rows but output "
+                f"{self.num_outputs + 1} belongs to block {k + 1}; give it at least "
+                "ceil(outputs / block_size) rows"
+            )
+        return self._rows[k]
+
     def flatten(self) -> Tuple[List[torch.Tensor], StreamSpec]:
         """``(tensors, spec)``: :attr:`sources` and what rebuilds the stream
-        from them (:meth:`unflatten`); the pytree form of the stream."""
+        from them (:meth:`unflatten`); the pytree form of the stream. The
+        rebuilt stream has no block_storage."""
         return self.sources, StreamSpec(self.block_size, self.num_outputs, self.block_reads,
                                         self.readers)
 
@@ -238,6 +322,8 @@ class DepthStream:
     def sources(self) -> List[torch.Tensor]:
         """What the next read sees, in order: embedding, completed sources,
         then the partial sum (Block only, and only when it is non-empty)."""
+        if self._rows is not None:
+            self._check_storage_current()
         self._settle()
         if self._partial is None:
             return list(self._completed)
@@ -250,11 +336,20 @@ class DepthStream:
     def append(self, f: torch.Tensor) -> None:
         """Record the new output ``f`` of one sublayer (never a cumulative sum)."""
         f = self._checked_output(f)
-        self.num_outputs += 1
         if self.block_size is None:
+            self.num_outputs += 1
             self._completed.append(f)
             return
-        if self._partial is None:
+        if self._rows is not None:
+            row = self._storage_row(f)
+            if self._partial is None:
+                row.copy_(f)
+            else:
+                row.add_(f)  # rounded once, as partial + f
+            self._partial = row
+            self._storage_writes[0] += 1
+            self._writes_seen = self._storage_writes[0]
+        elif self._partial is None:
             self._partial = f
         elif self.readers is not None and self._in_partial + 1 < self.block_size:
             # A later read of this block may add f in its merge (§12).
@@ -264,6 +359,7 @@ class DepthStream:
         else:
             self._settle()
             self._partial = self._partial + f
+        self.num_outputs += 1
         self._in_partial += 1
         if self._in_partial == self.block_size:
             self._completed.append(self._partial)
@@ -276,12 +372,17 @@ class DepthStream:
         Appending to the clone leaves this stream as it is, which is what
         activation checkpointing needs: the recomputation must start from
         the sources the first run saw. The clone shares this stream's phase-1
-        results (docs/design.md §10).
+        results (docs/design.md §10) and its block_storage rows.
         """
         self._settle()
-        return DepthStream._build(self.embedding, list(self._completed), self._partial,
-                                  self._in_partial, self.num_outputs, self.block_size,
-                                  self.block_reads, self.readers, self._phase_one)
+        clone = DepthStream._build(self.embedding, list(self._completed), self._partial,
+                                   self._in_partial, self.num_outputs, self.block_size,
+                                   self.block_reads, self.readers, self._phase_one)
+        if self._rows is not None:
+            self._check_storage_current()
+            clone.block_storage, clone._rows = self.block_storage, self._rows
+            clone._storage_writes, clone._writes_seen = self._storage_writes, self._writes_seen
+        return clone
 
     @staticmethod
     def _build(embedding, completed, partial, in_partial, num_outputs, block_size, block_reads,
@@ -293,6 +394,8 @@ class DepthStream:
         stream.embedding, stream._completed, stream._partial = embedding, completed, partial
         stream._pending, stream._pending_mode = None, (False, False)
         stream._in_partial, stream.num_outputs = in_partial, num_outputs
+        stream.block_storage, stream._rows = None, None
+        stream._storage_writes, stream._writes_seen = [0], 0
         return stream
 
     def _settle(self) -> None:
@@ -354,6 +457,8 @@ class DepthStream:
         on the configuration, the grad mode and the inputs."""
         if self.readers is not None:
             self._check_declared(reader)
+        if self._rows is not None:
+            self._check_storage_current()
         num_completed = len(self._completed)
         if not self._two_phase(num_completed):
             return self._read_one_call(reader)

@@ -1020,6 +1020,101 @@ TEST(TwoPhaseBlockReads, FromSourcesRebuildsAStreamMidBlock) {
       "a Full stream");
 }
 
+// block_storage: the block sums built in the rows of one buffer give every
+// read of a stream without storage bit for bit, in each read mode, and the
+// sources are the rows themselves.
+TEST(BlockStorage, ReadsEqualAStreamWithoutStorageAndSourcesAreTheRows) {
+  at::manual_seed(15);
+  TinyNet net(3);
+  const at::Tensor emb = at::randn({2, 5, kD}, at::kDouble);
+  for (const auto mode : {attnres::BlockReads::kAuto, attnres::BlockReads::kTwoPhase,
+                          attnres::BlockReads::kOneCall}) {
+    for (const bool inference : {false, true}) {
+      SCOPED_TRACE(inference ? "inference mode" : "no_grad");
+      c10::InferenceMode inference_mode(inference);
+      torch::NoGradGuard no_grad;
+      const at::Tensor storage = at::full({3, 2, 5, kD}, NAN, at::kDouble);
+      attnres::DepthStream plain(emb, 3, mode, net->reads);
+      attnres::DepthStream stored(emb, 3, mode, net->reads, storage);
+      EXPECT_TRUE(stored.block_storage().is_same(storage));
+      for (int l = 0; l <= kDepth; ++l) {
+        const at::Tensor want = net->reads[l](plain);
+        const at::Tensor got = net->reads[l](stored);
+        EXPECT_TRUE(at::equal(got, want)) << "read " << l;
+        if (l == kDepth) break;
+        const at::Tensor f = net->sublayer(l, want);
+        plain.append(f);
+        stored.append(f);
+      }
+      const Tensors sources = stored.sources();
+      ASSERT_EQ(sources.size(), 4u);  // the embedding, two blocks, a partial sum of one
+      for (size_t k = 1; k < sources.size(); ++k) {
+        EXPECT_EQ(sources[k].data_ptr(), storage[k - 1].data_ptr()) << "source " << k;
+      }
+    }
+  }
+}
+
+// Copies share the rows: once one appends, the other refuses to go on.
+TEST(BlockStorage, CopiesShareTheRowsAndOnlyOneMayGoOn) {
+  torch::NoGradGuard no_grad;
+  attnres::AttnResResidual read(kD);
+  attnres::DepthStream stream(at::randn({3, kD}), 2, attnres::BlockReads::kAuto, {},
+                              at::empty({2, 3, kD}));
+  stream.append(at::randn({3, kD}));
+  attnres::DepthStream copy = stream.clone();
+  copy.append(at::randn({3, kD}));
+  read(copy);
+  const std::string words = "another stream sharing this stream's block_storage (a clone) has "
+                            "appended since";
+  expect_error<c10::ValueError>([&] { stream.sources(); }, words);
+  expect_error<c10::ValueError>([&] { read(stream); }, words);
+  expect_error<c10::ValueError>([&] { stream.append(at::randn({3, kD})); }, words);
+  expect_error<c10::ValueError>([&] { stream.clone(); }, words);
+}
+
+// Bad storage is refused with the Python class's words.
+TEST(BlockStorage, BadStorageIsRefusedWithItsReason) {
+  const at::Tensor emb = at::randn({2, 4});
+  auto make = [&](std::optional<int64_t> S, const at::Tensor& storage) {
+    attnres::DepthStream(emb, S, attnres::BlockReads::kAuto, {}, storage);
+  };
+  expect_error<c10::ValueError>([&] { make(std::nullopt, at::empty({1, 2, 4})); },
+                                "block_storage is for Block streams");
+  expect_error<c10::ValueError>(
+      [&] { make(2, at::empty({2, 2, 5})); },
+      "block_storage must have shape [R, 2, 4] (rows, then the embedding's shape) with R >= 1, "
+      "got [2, 2, 5]");
+  expect_error<c10::ValueError>([&] { make(2, at::empty({0, 2, 4})); }, "with R >= 1, got");
+  expect_error<c10::TypeError>([&] { make(2, at::empty({2, 2, 4}, at::kDouble)); },
+                               "block_storage has dtype torch.float64 but the stream's dtype");
+  expect_error<c10::ValueError>([&] { make(2, at::empty({2, 2, 4}, at::Device("meta"))); },
+                                "block_storage is on device meta but the stream is on device cpu");
+  expect_error<c10::ValueError>([&] { make(2, at::empty({2, 4, 2}).transpose(1, 2)); },
+                                "block_storage must be contiguous");
+  expect_error<c10::ValueError>([&] { make(2, at::empty({2, 2, 4}).requires_grad_(true)); },
+                                "block_storage must not require grad");
+  const at::Tensor buf = at::empty({3, 2, 4});
+  expect_error<c10::ValueError>(
+      [&] { attnres::DepthStream(buf[1], 2, attnres::BlockReads::kAuto, {}, buf); },
+      "block_storage must not share memory with the embedding");
+  attnres::DepthStream beside(buf[0], 2, attnres::BlockReads::kAuto, {}, buf.slice(0, 1));
+  // Too few rows, and an output that needs a gradient under grad mode.
+  attnres::DepthStream one_row(emb, 2, attnres::BlockReads::kAuto, {}, at::empty({1, 2, 4}));
+  {
+    torch::NoGradGuard no_grad;
+    one_row.append(at::randn({2, 4}));
+    one_row.append(at::randn({2, 4}));
+    expect_error<c10::ValueError>([&] { one_row.append(at::randn({2, 4})); },
+                                  "block_storage has 1 rows but output 3 belongs to block 2");
+  }
+  EXPECT_EQ(one_row.num_outputs(), 2);
+  const at::Tensor w = at::randn({2, 4}).requires_grad_(true);
+  attnres::DepthStream training(emb, 2, attnres::BlockReads::kAuto, {}, at::empty({1, 2, 4}));
+  expect_error<c10::ValueError>([&] { training.append(w * 2); },
+                                "writes its blocks in place and is for inference");
+}
+
 // A CUDA stream reads two-phase when asked (kTwoPhase), training included:
 // its output and every gradient equal the one-call reads'; kAuto reads
 // one-call on CUDA (docs/design.md §10).

@@ -74,6 +74,12 @@ void check_merge_mask(const c10::List<bool>& mask, bool with_out_weight);
 void check_dense(const at::Tensor& t, const char* name, int64_t index = -1);
 void check_dense_inputs(at::TensorList tensors, const char* name);
 
+// Whether two tensors' byte spans in one storage intersect (`contiguous`
+// must be contiguous). A span test and not at::get_overlap_status: that one
+// answers "too hard" for strided views (an lse viewing a column of
+// partial_out), which must be refused too.
+bool shares_memory(const at::Tensor& contiguous, const at::Tensor& t);
+
 // A dtype as Python names it (torch.float32): every check's message, C++
 // and the fake kernels alike.
 std::string py_dtype(at::ScalarType dtype);

@@ -156,6 +156,16 @@ TORCH_MODULE(AttnResResidual);
 // the grad and inference modes of the append. So an appended output must not
 // be changed in place, and one stream is not read from two threads at once
 // (a const read may add or consume the deferred output).
+// block_storage (Block streams, for inference and CUDA graphs): a
+// preallocated contiguous tensor [R, embedding's shape...] in the stream's
+// dtype and device. Block k's sum is then built in row k in place (its first
+// output copied in, the others added), so completed blocks and partial sums
+// allocate nothing and the reads take the rows as views. Appends then add at
+// once (no fused prefix add: that writes a new P'), and an output that
+// requires grad under grad mode is refused. Copies share the rows: once one
+// of the streams sharing them appends, the others refuse to read or append.
+// R must cover every block the stream starts.
+//
 // A DepthStream is a small value: copying it (or clone()) shares the tensors
 // and copies the lists, so appending to the copy leaves the original as it is
 // (what activation checkpointing needs). Its tensors are sources(); a stream
@@ -168,7 +178,8 @@ class DepthStream {
   explicit DepthStream(at::Tensor embedding,
                        std::optional<int64_t> block_size = std::nullopt,
                        BlockReads block_reads = BlockReads::kAuto,
-                       std::vector<AttnResResidual> readers = {});
+                       std::vector<AttnResResidual> readers = {},
+                       at::Tensor block_storage = at::Tensor());
   // A stream from its parts: Full, the outputs so far as `completed`; Block,
   // the completed block sums as `completed` and the current block's partial
   // sum (undefined for none) with the number of outputs in it.
@@ -209,11 +220,19 @@ class DepthStream {
   at::Device device() const { return embedding_.device(); }
   // A new stream with the same sources (tensors shared, lists copied); the
   // same as a copy, named as in Python. Copies share the phase-1 results of
-  // the forward pass (§10), as activation checkpointing needs.
-  DepthStream clone() const { return *this; }
+  // the forward pass (§10), as activation checkpointing needs, and the
+  // block_storage rows.
+  DepthStream clone() const;
+  // The preallocated block storage (undefined: none).
+  const at::Tensor& block_storage() const { return block_storage_; }
 
  private:
   at::Tensor checked_output(const at::Tensor& f, const char* where = "append") const;
+  void check_block_storage();
+  // The block_storage row that f is added into, or the reason it cannot be.
+  const at::Tensor& storage_row(const at::Tensor& f) const;
+  // Throws when another stream sharing the rows has appended since this one.
+  void check_storage_current() const;
   bool two_phase(int64_t num_completed) const;
   void check_declared(const AttnResResidualImpl& reader) const;
   // Adds a pending output to the partial sum, in the modes of its append.
@@ -239,6 +258,11 @@ class DepthStream {
   BlockReads block_reads_ = BlockReads::kAuto;
   std::vector<AttnResResidual> readers_;  // empty: none declared
   std::shared_ptr<detail::BlockReadState> reads_;
+  at::Tensor block_storage_;
+  std::vector<at::Tensor> rows_;  // row k holds block k's sum (empty: no storage)
+  // Appends made to the rows by all the streams sharing them, and by this one's count.
+  std::shared_ptr<int64_t> storage_writes_ = std::make_shared<int64_t>(0);
+  int64_t writes_seen_ = 0;
 };
 
 // DepthStream(Full, shape=[2, 5, 8], dtype=torch.float32, outputs=3, sources=4)
