@@ -79,6 +79,13 @@ class GPTConfig:
     def stream_block_size(self) -> Optional[int]:
         return self.block_size if self.residual == "block" else None
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of a Block model's stream: the rows its ``block_storage`` needs."""
+        if self.residual != "block":
+            raise ValueError("num_blocks is for residual='block'")
+        return -(-2 * self.n_layers // self.block_size)
+
     def sources_read_by(self, sublayer: int) -> int:
         """How many sources the read in front of sublayer ``sublayer`` sees
         (``2 * n_layers`` is the final read); 1 for the standard residual."""
@@ -126,6 +133,27 @@ class GPTConfig:
         return AttnResResidual(self.d_model, eps=self.eps)
 
 
+class KVCache:
+    """A static key/value cache for decoding: per layer ``[B, H, max_len,
+    D / H]`` keys and values, and ``pos`` (an int64 tensor: the tokens seen
+    so far). A forward with the cache writes its T tokens at ``pos``,
+    attends to everything before them and advances ``pos``: no Python int
+    and no allocation depends on the position, so a decode step can be
+    captured in a CUDA graph and replayed."""
+
+    def __init__(self, cfg: "GPTConfig", batch: int, max_len: Optional[int] = None,
+                 device=None, dtype=None):
+        max_len = cfg.seq_len if max_len is None else max_len
+        shape = (batch, cfg.n_heads, max_len, cfg.d_model // cfg.n_heads)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    def positions(self, T: int) -> torch.Tensor:
+        return self.pos + torch.arange(T, device=self.pos.device)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -133,12 +161,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[tuple] = None) -> torch.Tensor:
+        """``cache``: (keys, values, positions of x's tokens) of a KVCache."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keys, values, positions = cache
+            keys.index_copy_(2, positions, k.to(keys.dtype))
+            values.index_copy_(2, positions, v.to(values.dtype))
+            # Token i sees cache slots 0 .. positions[i].
+            seen = torch.arange(keys.shape[2], device=x.device) <= positions[:, None]
+            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+                                               attn_mask=seen)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -167,25 +204,26 @@ class TransformerBlock(nn.Module):
             self.res_attn = cfg.make_read(2 * index)
             self.res_mlp = cfg.make_read(2 * index + 1)
 
-    def forward(self, x, weights: Optional[list] = None):
+    def forward(self, x, weights: Optional[list] = None, cache: Optional[tuple] = None):
         """Standard: ``x -> x + attn(...) + mlp(...)``. AttnRes: ``x`` is a
         DepthStream; returns a new stream with this block's two outputs
         appended, leaving ``x`` as it was (the layer contract: wrappers may
         hand the layer a rebuilt stream, checkpointing reruns it on the same
         one); with ``weights`` a list, also appends the depth weights of both
-        reads. One entry point, so module hooks (FSDP, ...) see every call."""
+        reads. One entry point, so module hooks (FSDP, ...) see every call.
+        ``cache``: this layer's part of a :class:`KVCache` (decoding)."""
         if not self.uses_attnres:
-            x = x + self.attn(self.ln1(x))
+            x = x + self.attn(self.ln1(x), cache)
             return x + self.mlp(self.ln2(x))
         stream = x.clone()
         if weights is None:
-            attn_out = self.attn(self.ln1(self.res_attn(stream)))
+            attn_out = self.attn(self.ln1(self.res_attn(stream)), cache)
             stream.append(attn_out)
             mlp_out = self.mlp(self.ln2(self.res_mlp(stream)))
         else:
             h, w = self.res_attn(stream, return_weights=True)
             weights.append(w)
-            attn_out = self.attn(self.ln1(h))
+            attn_out = self.attn(self.ln1(h), cache)
             stream.append(attn_out)
             h, w = self.res_mlp(stream, return_weights=True)
             weights.append(w)
@@ -224,48 +262,68 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied head counted once
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok_emb(idx) + self.pos_emb(pos)
+    def embed(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(positions)
 
     def forward(
         self,
         idx: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         return_depth_weights: bool = False,
+        *,
+        kv_cache: Optional[KVCache] = None,
+        block_storage: Optional[torch.Tensor] = None,
     ):
         """Returns ``(logits, loss)`` (loss None without targets). With
         ``return_depth_weights`` (AttnRes only) returns ``(logits, loss,
         weights)``: one float32 tensor [num_sources, B, T] per read, in
-        order attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, final."""
-        x = self.embed(idx)
+        order attn_0, mlp_0, ..., attn_{L-1}, mlp_{L-1}, final.
+
+        ``kv_cache`` (decoding): ``idx`` holds the next tokens after the
+        cache's ``pos``; their keys and values join the cache and ``pos``
+        advances. ``block_storage`` (Block, inference): the stream's block
+        sums are built in place in its rows (DepthStream's block_storage;
+        shape ``[cfg.num_blocks, B, T, d_model]``)."""
+        positions = None if kv_cache is None else kv_cache.positions(idx.shape[1])
+        x = self.embed(idx, positions)
         weights: Optional[List[torch.Tensor]] = None
+        caches = [None] * len(self.blocks)
+        if kv_cache is not None:
+            caches = [(k, v, positions) for k, v in zip(kv_cache.keys, kv_cache.values)]
         if self.cfg.residual == "standard":
             if return_depth_weights:
                 raise ValueError("return_depth_weights needs residual='full' or 'block'")
-            for blk in self.blocks:
-                if self.cfg.checkpoint_blocks and self.training:
+            if block_storage is not None:
+                raise ValueError("block_storage needs residual='block'")
+            for blk, cache in zip(self.blocks, caches):
+                if self.cfg.checkpoint_blocks and self.training and cache is None:
                     x = checkpoint(blk, x, use_reentrant=False)
                 else:
-                    x = blk(x)
+                    x = blk(x, cache=cache)
         else:
             readers = self.readers()
             if not all(isinstance(r, AttnResResidual) for r in readers):
                 readers = None  # reads swapped for other modules: each reads on its own
             stream = DepthStream(x, block_size=self.cfg.stream_block_size,
-                                 block_reads=self.cfg.block_reads, readers=readers)
+                                 block_reads=self.cfg.block_reads, readers=readers,
+                                 block_storage=block_storage)
             weights = [] if return_depth_weights else None
-            for blk in self.blocks:
-                if self.cfg.checkpoint_blocks and self.training and weights is None:
+            for blk, cache in zip(self.blocks, caches):
+                if (self.cfg.checkpoint_blocks and self.training and weights is None
+                        and cache is None):
                     stream = checkpoint(blk, stream, use_reentrant=False)
                 else:
-                    stream = blk(stream, weights)
+                    stream = blk(stream, weights, cache)
             if weights is None:
                 x = self.final_res(stream)
             else:
                 x, w = self.final_res(stream, return_weights=True)
                 weights.append(w)
         logits = self.head(self.ln_f(x))
+        if kv_cache is not None:
+            kv_cache.pos.add_(idx.shape[1])
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
