@@ -10,7 +10,9 @@
 #   3. build (CMake, build-gpu/); fail fast when the build has no CUDA
 #      kernels; a short CUDA-vs-CPU smoke check (the ops without and with
 #      out_weight, the fused output norm; the two-phase Block reads'
-#      forward and backward);
+#      forward and backward); the decode stage (decode.py: a Block GPT's
+#      decode step captured in a CUDA graph and replayed, checked against
+#      the full forward; tokens/s at batch 1);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=1 rows for a few
@@ -67,7 +69,8 @@ BENCH_IMPLS=${BENCH_IMPLS:-attnres,eager,fla,liger,compile}
 [ "$DRY_RUN" = 1 ] && BENCH_IMPLS=${GPU_CHECK_DRY_BENCH_IMPLS:-attnres,eager,fla,liger}
 MODEL_IMPLS=${MODEL_IMPLS:-attnres fla eager}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md  # this run's only
+rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md \
+  "$RESULTS"/decode_*CUDA*.md  # this run's only
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( TOTAL_S - $(elapsed) )); }
@@ -77,8 +80,9 @@ WARM_PID=""
 copy_out() {
   [ -n "$WARM_PID" ] && kill -TERM "$WARM_PID" 2>/dev/null
   [ -z "${OUT:-}" ] && return 0
-  # block_reads.py names its files after the GPU: block_reads_<name>_CUDA_<version>*.md
+  # block_reads.py and decode.py name their files after the GPU: <name>_CUDA_<version>*.md
   for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md \
+           "$RESULTS"/decode_*CUDA*.md \
            "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
            "$RESULTS/peers.txt" "$RESULTS/peers_warmup.log" "$RESULTS/sanitize.txt" \
            "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out "$RESULTS"/tests_*.txt; do
@@ -295,6 +299,7 @@ PY
   echo "== smoke check with ATTNRES_CUDA_RING=1, the ring shapes ($(elapsed) s)"
   ATTNRES_CUDA_RING=1 SMOKE_RING_SHAPES=1 timeout "$SMOKE_S" python3 "$RESULTS/smoke.py"
   echo "smoke rings rc=$?"
+  decode_stage
 
   # The warm-up must not overlap the timed calls.
   if [ -n "$WARM_PID" ]; then
@@ -492,6 +497,32 @@ PY
 # (L, S) in {12, 32, 64} x {2, 4, 8}, and phase 1 alone against S one-call
 # reads (benchmarks/block_reads.py --reads-only, synchronized wall-clock
 # medians). At most BLOCK_READS_S (default 45) seconds; the table goes to
+# Decoding at batch 1 (benchmarks/decode.py): a K3-style Block GPT's decode
+# step with a static KV cache and block_storage, captured in a CUDA graph and
+# replayed token by token, checked against one forward over the sequence
+# (exit 1 and FAIL lines when a variant disagrees), then tokens/s of the
+# standard residual, Block, Block + storage, eager and replayed. Early (after
+# the smoke check): it is a correctness check too. At most DECODE_S (default
+# 45) seconds.
+DECODE_S=${DECODE_S:-45}
+decode_stage() {
+  local c
+  c=$(cap "$DECODE_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== decode step: eager and CUDA graph replay, tokens/s ($(elapsed) s elapsed, cap ${c} s)"
+  if [ "$c" -lt 15 ]; then
+    echo "no time left"
+    return 0
+  fi
+  if [ "$DRY_RUN" = 1 ]; then
+    timeout -k 5 "$c" python3 benchmarks/decode.py --device cpu --layers 2 --width 64 --heads 4 \
+      --block-layers 1 --tokens 4 --repeats 1 --out-dir "$RESULTS"
+  else
+    timeout -k 5 "$c" python3 benchmarks/decode.py --device cuda --layers 12 --width 1024 --heads 8 \
+      --block-layers 4 --tokens 32 --repeats 5 --out-dir "$RESULTS"
+  fi
+  echo "decode stage rc=$?"
+}
+
 # $RESULTS as block_reads.py names it.
 BLOCK_READS_S=${BLOCK_READS_S:-45}
 block_reads_stage() {

@@ -7,7 +7,8 @@ A Block stream (S = 4) of 32 sublayers over one token of width 64 under
 torch.no_grad, so the kernels' own work is negligible and the time per
 sublayer (an AttnResResidual read plus the stream's append) is what a
 launch-bound GPU forward pays on the host for each read, before any kernel
-runs. Baseline: the plain residual `h = h + f` over the same outputs.
+runs. Baseline: the plain residual `h = h + f` over the same outputs. Each
+read mode also with block_storage (the block sums built in one buffer).
 Variants run interleaved (one forward each in turn), medians compared in
 one run; no timing is a pass/fail criterion.
 """
@@ -41,8 +42,11 @@ def main() -> None:
         torch.nn.init.normal_(r.query, std=0.1)
     outputs = [torch.randn(1, 1, D) for _ in range(L)]
 
-    def stream_forward(mode):
-        stream = DepthStream(embedding, block_size=S, block_reads=mode, readers=readers)
+    storage = torch.empty(-(-L // S), 1, 1, D)
+
+    def stream_forward(mode, block_storage=None):
+        stream = DepthStream(embedding, block_size=S, block_reads=mode, readers=readers,
+                             block_storage=block_storage)
         h = None
         for reader, f in zip(readers, outputs):
             h = reader(stream)
@@ -58,6 +62,7 @@ def main() -> None:
     fns = {"plain residual add": plain}
     for mode in ("one_call", "two_phase", "auto"):
         fns[f"Block {mode}"] = lambda mode=mode: stream_forward(mode)
+        fns[f"Block {mode}, block_storage"] = lambda mode=mode: stream_forward(mode, storage)
     load_before = os.getloadavg()
     with torch.no_grad():
         for fn in fns.values():  # first touches

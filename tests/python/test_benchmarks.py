@@ -423,7 +423,7 @@ def test_spread_needs_several_processes(tmp_path):
 
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.sh's CPU dry run: every stage's code (smoke check,
-    bench.py, the out-norm stage, bench_model.py per implementation, the long
+    the decode stage, bench.py, the out-norm stage, bench_model.py per implementation, the long
     tests, the sanitizer's shapes script) runs on the CPU with small shapes,
     rows reach $OUT as measured, nothing is written to benchmarks/results/."""
     results, out = tmp_path / "results", tmp_path / "out"
@@ -439,10 +439,14 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                      "smoke check: 0 failure(s)", "smoke rc=0", "smoke rings rc=0", "bench.py priority rc=0",
                      "bench.py rings on rc=0", "bench.py rings off rc=0",
                      "out_norm stage rc=0", "block_reads stage rc=0", "block_gpt stage rc=0",
+                     "decode stage rc=0",
                      "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
                      "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
         assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
     assert "FAIL" not in log.replace("failure(s)", "")
+    # The decode stage checked every variant's decoded logits and timed them.
+    assert "Every variant's decoded logits were checked" in log and "all agree." in log
+    assert "| Block AttnRes, block_storage |" in log
     # The GPT stage's table: Block two-phase with the fused norm against the standard residual.
     assert "| block two-phase, fused RMSNorm |" in log and "Example GPT inference forward" in log
     # The smoke check compared both phases' backward too (every dtype and shape).

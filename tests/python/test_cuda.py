@@ -196,6 +196,55 @@ def test_cuda_graph_capture_and_replay():
             assert torch.equal(a, b), f"replayed output {i} differs from an eager run"
 
 
+@pytest.mark.parametrize("block_reads", ["auto", "two_phase"])
+def test_cuda_graph_replays_a_block_decode_step(block_reads):
+    """A K3-style Block GPT's decode step (one token, a static KV cache,
+    block_storage, the RMSNorm pre-norms fused into the reads) captured once
+    in a CUDA graph and replayed token by token gives the logits of eager
+    decoding and of one forward over the whole sequence."""
+    from attnres.models import GPT, GPTConfig, KVCache
+
+    cfg = GPTConfig(vocab_size=128, seq_len=24, d_model=128, n_layers=6, n_heads=4,
+                    residual="block", block_layers=2, norm="rmsnorm", block_reads=block_reads)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda().eval()
+    with torch.no_grad():
+        for r in model.readers():
+            r.query.normal_(0, 0.5)
+    prompt, total = 4, 20
+    idx = torch.randint(0, cfg.vocab_size, (1, total), device="cuda")
+    with torch.no_grad():
+        full = model(idx)[0][:, prompt:]
+        eager_cache = KVCache(cfg, 1, device="cuda")
+        model(idx[:, :prompt], kv_cache=eager_cache)
+        eager = torch.cat([model(idx[:, t:t + 1], kv_cache=eager_cache)[0]
+                           for t in range(prompt, total)], 1)
+        cache = KVCache(cfg, 1, device="cuda")
+        model(idx[:, :prompt], kv_cache=cache)
+        storage = torch.empty(cfg.num_blocks, 1, 1, cfg.d_model, device="cuda")
+        token = idx[:, prompt:prompt + 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(token, kv_cache=cache, block_storage=storage)
+                cache.pos.sub_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(token, kv_cache=cache, block_storage=storage)[0]
+        replayed = []
+        for t in range(prompt, total):
+            token.copy_(idx[:, t:t + 1])
+            graph.replay()
+            replayed.append(logits.clone())
+    torch.cuda.synchronize()
+    assert int(cache.pos) == total
+    replayed = torch.cat(replayed, 1)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(replayed, full, rtol=1e-4, atol=1e-4)
+
+
 def test_more_than_2_31_elements():
     # Two sources of [2^21 + 3, 1024] bf16: each holds more than 2^31 elements,
     # so row offsets need 64 bits. Tokens are independent: check the first
