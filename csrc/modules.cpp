@@ -52,6 +52,10 @@ namespace {
 // backward takes <dh, P - y> from the partial output rounded to 8/11 bits,
 // which the one-call backward avoids for them (§8, §10).
 constexpr int64_t kAutoMinCompleted = 3;
+// Under no_grad/inference kAuto reads one-call while a source holds at most
+// this many elements (decode-sized reads): the sources stay in cache, and the
+// two-phase path's extra host work costs more than the bytes it saves.
+constexpr int64_t kAutoMinInferenceNumel = int64_t{1} << 18;
 
 std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
   TORCH_CHECK_VALUE(!block_size || *block_size > 0,
@@ -240,7 +244,7 @@ void DepthStream::append(const at::Tensor& output) {
     writes_seen_ = ++*storage_writes_;
   } else if (!partial_.defined()) {
     partial_ = f;
-  } else if (!readers_.empty() && in_partial_ + 1 < *block_size_) {
+  } else if (in_partial_ + 1 < *block_size_) {
     // A later read of this block may add f in its merge (§12).
     settle();
     pending_ = std::move(f);
@@ -268,7 +272,11 @@ bool DepthStream::two_phase(int64_t num_completed) const {
   // for (kTwoPhase), training included (docs/design.md §10).
   if (embedding_.device().is_cuda()) return block_reads_ == BlockReads::kTwoPhase;
   if (block_reads_ == BlockReads::kTwoPhase) return true;
-  if (at::GradMode::is_enabled() && (t == at::kBFloat16 || t == at::kHalf)) return false;
+  if (at::GradMode::is_enabled()) {
+    if (t == at::kBFloat16 || t == at::kHalf) return false;
+  } else if (embedding_.numel() <= kAutoMinInferenceNumel) {
+    return false;
+  }
   return num_completed >= kAutoMinCompleted;
 }
 

@@ -29,6 +29,12 @@ _BLOCK_READS = ("auto", "two_phase", "one_call")
 # their merge backward takes <dh, P - y> from the partial output rounded to
 # 8/11 bits, which the one-call backward avoids for them (§8, §10).
 _AUTO_MIN_COMPLETED = 3
+# Under no_grad/inference "auto" reads one-call while a source holds at most
+# this many elements (decode-sized reads): there the sources stay in cache,
+# and the two-phase path's extra host work (grouping the block's readers,
+# stacking their queries, phase-1 bookkeeping) costs more than the bytes it
+# saves (benchmarks/results/NOTES.md, "Block reads at decode sizes").
+_AUTO_MIN_INFERENCE_NUMEL = 1 << 18
 _OUT_NORMS = (None, "rmsnorm")
 _AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -104,9 +110,9 @@ class DepthStream:
 
     The stream holds references, never copies: Full keeps each appended
     tensor itself; Block builds partial sums out of place so autograd sees
-    every step. With ``readers`` a Block stream keeps an appended output
-    until the next read, whose merge adds it into the partial sum (the fused
-    prefix add, docs/design.md §12); anything else that needs the sum adds it
+    every step. A Block stream keeps an appended output until the next read,
+    which adds it into the partial sum inside its kernels (the fused prefix
+    add, docs/design.md §12); anything else that needs the sum adds it
     first. So do not change an appended output in place. It is a pytree of
     its tensors (:meth:`flatten`), so FSDP2, pipelining, checkpointing, hooks
     and ``torch.compile`` see them.
@@ -351,7 +357,7 @@ class DepthStream:
             self._writes_seen = self._storage_writes[0]
         elif self._partial is None:
             self._partial = f
-        elif self.readers is not None and self._in_partial + 1 < self.block_size:
+        elif self._in_partial + 1 < self.block_size:
             # A later read of this block may add f in its merge (§12).
             self._settle()
             self._pending = f
@@ -436,7 +442,10 @@ class DepthStream:
             return self.block_reads == "two_phase"
         if self.block_reads == "two_phase":
             return True
-        if torch.is_grad_enabled() and self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:
+        if torch.is_grad_enabled():
+            if self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:
+                return False
+        elif self.embedding.numel() <= _AUTO_MIN_INFERENCE_NUMEL:
             return False
         return num_completed >= _AUTO_MIN_COMPLETED
 

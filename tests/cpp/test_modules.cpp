@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -859,14 +861,18 @@ TEST(TwoPhaseBlockReads, FusedPrefixAddIsAddThenOneCallReadBitForBit) {
   const at::Tensor g2 = at::randn({2, kD}, at::kDouble).requires_grad_(true);
   attnres::DepthStream stream(at::randn({2, kD}, at::kDouble), 4, attnres::BlockReads::kOneCall,
                               readers);
-  readers[0](stream);
-  stream.append(g1 * 1.0);
-  readers[1](stream);
-  stream.append(g2 * 1.0);
-  readers[2](stream);
-  const at::Tensor partial = stream.sources().back();
-  EXPECT_THAT(partial.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
-  EXPECT_TRUE(at::equal(partial, g1 + g2));
+  // A stream without declared readers defers the same way.
+  attnres::DepthStream undeclared(at::randn({2, kD}, at::kDouble), 4);
+  for (attnres::DepthStream* s : {&stream, &undeclared}) {
+    readers[0](*s);
+    s->append(g1 * 1.0);
+    readers[1](*s);
+    s->append(g2 * 1.0);
+    readers[2](*s);
+    const at::Tensor partial = s->sources().back();
+    EXPECT_THAT(partial.grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
+    EXPECT_TRUE(at::equal(partial, g1 + g2));
+  }
 }
 
 // kAuto reads two-phase from the third completed source on, the reads
@@ -904,6 +910,42 @@ TEST(TwoPhaseBlockReads, AutoMergesTrainingReadsFromTheThirdCompletedSource) {
   EXPECT_THAT(net(emb16).grad_fn()->name(), HasSubstr("DepthAttentionFunction"));
   net->block_reads = attnres::BlockReads::kTwoPhase;
   EXPECT_THAT(net(emb16).grad_fn()->name(), HasSubstr("MergeFunction"));
+}
+
+// Calls of each op by name on this thread (RecordFunction sees every
+// dispatcher call while the callback is registered).
+thread_local std::map<std::string, int> op_calls;
+std::unique_ptr<at::ObserverContext> count_op_call(const at::RecordFunction& fn) {
+  ++op_calls[fn.name()];
+  return nullptr;
+}
+
+// Without grad mode kAuto reads one-call while a source holds at most 2^18
+// elements (decode sizes), two-phase from one more, as in Python.
+TEST(TwoPhaseBlockReads, AutoReadsDecodeSizedInferenceOneCall) {
+  at::manual_seed(16);
+  TinyNet net(2);
+  ASSERT_EQ(net->block_reads, attnres::BlockReads::kAuto);
+  const at::CallbackHandle handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(count_op_call).scopes({at::RecordScope::FUNCTION}));
+  const int64_t decode_rows = (int64_t{1} << 18) / kD;
+  for (const int64_t rows : {int64_t{1}, decode_rows, decode_rows + 1}) {
+    for (const bool inference : {false, true}) {
+      SCOPED_TRACE(std::to_string(rows) + (inference ? " rows, inference mode" : " rows, no_grad"));
+      c10::InferenceMode inference_mode(inference);
+      torch::NoGradGuard no_grad;
+      const at::Tensor emb = at::randn({rows, kD}, at::kDouble);
+      op_calls.clear();
+      const at::Tensor got = net(emb);
+      // Blocks with 3 and 4 completed sources read two-phase or not at all
+      // (outside inference mode the autograd kernel's redispatch records too).
+      EXPECT_EQ(op_calls["attnres::block_reads_fwd"] > 0, rows > decode_rows);
+      net->block_reads = attnres::BlockReads::kOneCall;
+      expect_close(got, net(emb), kOutputTol, "auto vs one-call");
+      net->block_reads = attnres::BlockReads::kAuto;
+    }
+  }
+  at::removeCallback(handle);
 }
 
 TEST(TwoPhaseBlockReads, StreamReportsItsMode) {

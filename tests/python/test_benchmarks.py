@@ -368,17 +368,21 @@ def test_prefix_add_reads_benchmark_quick():
 
 
 def test_read_host_time_benchmark(tmp_path):
-    # Runs end to end (results into tmp_path): the four variants, each with
-    # a positive time per sublayer and its ratio to the plain add.
+    # Runs end to end (results into tmp_path): the seven variants, each with
+    # a positive time per sublayer and its ratio to the plain add (the size
+    # sweep left out: minutes).
     script = ROOT / "benchmarks" / "read_host_time.py"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(script), "--repeats", "5", "--out-dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(script), "--repeats", "5", "--no-sweep",
+                           "--out-dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r.split("|")[1].strip(): r.split("|")[2:4] for r in proc.stdout.splitlines()
             if r.startswith("| ") and not r.startswith("| variant")}
-    assert set(rows) == {"plain residual add", "Block one_call", "Block two_phase", "Block auto"}
+    modes = ("one_call", "two_phase", "auto")
+    assert set(rows) == {"plain residual add", *(f"Block {m}" for m in modes),
+                         *(f"Block {m}, block_storage" for m in modes)}
     assert all(float(us) > 0 and float(ratio) > 0 for us, ratio in rows.values())
     assert len(list(tmp_path.glob("read_host_time_*.md"))) == 1
 

@@ -338,10 +338,12 @@ def test_stream_two_phase_equals_one_call(dtype, L, S, monkeypatch):
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
 def test_auto_uses_two_phase_from_the_third_completed_source(grad, monkeypatch):
     """Under "auto" the reads of blocks with n >= 3 completed sources are
-    two-phase, also those autograd records (with the one-call gradients)."""
+    two-phase, also those autograd records (with the one-call gradients);
+    without grad mode only for sources of more than 2^18 elements."""
     D, L, S = 16, 8, 2
     readers, weights = make_stack(L, D, torch.float32)
-    emb = torch.randn(4, D, requires_grad=grad)
+    rows = 4 if grad else (1 << 18) // D + 1
+    emb = torch.randn(rows, D, requires_grad=grad)
     params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
     with torch.set_grad_enabled(grad):
         want = run_stack(readers, weights, emb, S, "one_call")
@@ -357,6 +359,25 @@ def test_auto_uses_two_phase_from_the_third_completed_source(grad, monkeypatch):
             assert_rel_close(a, b, GRAD_REL_TOL[torch.float32], f"grad {i}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_auto_reads_decode_sized_inference_one_call(dtype, monkeypatch):
+    """Without grad mode "auto" reads one-call while a source holds at most
+    2^18 elements (decode sizes: host work outweighs the bytes two-phase
+    saves), under no_grad and inference mode; two-phase from one more."""
+    D, L, S = 64, 8, 2
+    readers, weights = make_stack(L, D, dtype)
+    counts = CountingOps(monkeypatch)
+    for rows, phase1 in ((1, 0), ((1 << 18) // D, 0), ((1 << 18) // D + 1, 3)):
+        emb = torch.randn(rows, D).to(dtype)
+        for mode in (torch.no_grad, torch.inference_mode):
+            before = counts.phase1
+            with mode():
+                want = run_stack(readers, weights, emb, S, "one_call")
+                got = run_stack(readers, weights, emb, S, "auto")
+            assert counts.phase1 - before == phase1, (rows, mode)
+            assert_rel_close(got, want, 2 * REL_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_auto_keeps_bf16_and_fp16_training_reads_one_call(dtype, monkeypatch):
     """Their merge backward would take <dh, P - y> from the partial output
@@ -369,7 +390,8 @@ def test_auto_keeps_bf16_and_fp16_training_reads_one_call(dtype, monkeypatch):
     run_stack(readers, weights, emb, S, "auto")
     assert counts.phase1 == 0 and counts.merge == 0
     with torch.no_grad():
-        run_stack(readers, weights, emb, S, "auto")
+        # Sources above the decode size (2^18 elements) read two-phase.
+        run_stack(readers, weights, torch.randn((1 << 18) // D + 1, D).to(dtype), S, "auto")
     assert counts.phase1 == 3 and counts.merge == 2
     run_stack(readers, weights, emb, S, "two_phase")
     assert counts.phase1 == 3 + 5 and counts.merge == 2 + 4

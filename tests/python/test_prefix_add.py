@@ -306,10 +306,12 @@ def test_one_call_vmap_over_the_sources():
 # ---- DepthStream: the add deferred into the next read --------------------------
 
 
-def run_stack(readers, weights, emb, S, modes=None, block_reads="two_phase"):
-    """f_l = tanh(h_l @ W_l) read through declared readers, then a final
-    read; `modes` (optional) is the grad mode of each read."""
-    stream = attnres.DepthStream(emb, block_size=S, block_reads=block_reads, readers=readers)
+def run_stack(readers, weights, emb, S, modes=None, block_reads="two_phase", declared=True):
+    """f_l = tanh(h_l @ W_l) read through `readers` (declared to the stream
+    unless `declared` is False), then a final read; `modes` (optional) is
+    the grad mode of each read."""
+    stream = attnres.DepthStream(emb, block_size=S, block_reads=block_reads,
+                                 readers=readers if declared else None)
     for l, (res, w) in enumerate(zip(readers[:-1], weights)):
         with torch.set_grad_enabled(modes[l] if modes else torch.is_grad_enabled()):
             h = res(stream)
@@ -367,21 +369,24 @@ def test_stream_reads_with_the_fused_add_are_bit_for_bit_the_unfused(dtype, L, S
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_reads", ["one_call", "auto"])
+@pytest.mark.parametrize("block_reads", ["one_call", "auto", "undeclared"])
 def test_one_call_stream_reads_fuse_bit_for_bit(dtype, block_reads, monkeypatch):
-    """The stream's one-call reads (block_reads="one_call", and "auto" below
-    its two-phase threshold or in bf16/fp16 training) take the deferred
-    output as delta, and change no bit of the reads or gradients."""
+    """The stream's one-call reads (block_reads="one_call", "auto" below
+    its two-phase threshold or in bf16/fp16 training, and every read of a
+    stream without declared readers) take the deferred output as delta,
+    and change no bit of the reads or gradients."""
     L, S = 9, 4
     readers, weights = make_stack(L, 24, dtype, seed=7)
     emb = torch.randn(3, 5, 24, dtype=torch.float64).to(dtype).requires_grad_()
     params = [emb, *weights, *[p for r in readers for p in r.parameters()]]
+    declared = block_reads != "undeclared"
+    mode = block_reads if declared else "auto"
 
     def run():
-        out = run_stack(readers, weights, emb, S, block_reads=block_reads)
+        out = run_stack(readers, weights, emb, S, block_reads=mode, declared=declared)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         with torch.no_grad():
-            inference = run_stack(readers, weights, emb, S, block_reads=block_reads)
+            inference = run_stack(readers, weights, emb, S, block_reads=mode, declared=declared)
         return [out, inference, *grads]
 
     calls = MergeCalls(monkeypatch, names=("depth_attention",))

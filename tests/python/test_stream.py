@@ -177,7 +177,9 @@ def test_grad_mode_is_honoured_per_read(grads, frozen, monkeypatch):
         torch.testing.assert_close(h, ref, rtol=1e-12, atol=1e-14)
         if grads[j]:
             g = torch.autograd.grad(h.pow(2).sum(), params, allow_unused=True, retain_graph=True)
-            w = torch.autograd.grad(ref.pow(2).sum(), params, allow_unused=True)
+            # retain_graph: a read and the partial sum it forms (fused add,
+            # docs/design.md §12) share one node that later reads go through.
+            w = torch.autograd.grad(ref.pow(2).sum(), params, allow_unused=True, retain_graph=True)
             for i, (a, b, p) in enumerate(zip(g, w, params)):
                 # Phase 1 takes every reader of the block: zeros where one call has None.
                 a = torch.zeros_like(p) if a is None else a

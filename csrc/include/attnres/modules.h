@@ -37,7 +37,9 @@ class DepthStream;
 // two-phase ops for blocks with at least 3 completed sources (where they
 // move fewer bytes than one-call reads) on CPU, training included, except
 // bf16/fp16 streams under grad mode (their merge backward would take
-// <dh, P - y> from a partial output rounded to 8/11 bits); kTwoPhase for
+// <dh, P - y> from a partial output rounded to 8/11 bits) and reads without
+// grad mode of sources of at most 2^18 elements (decode sizes, where the
+// sources stay in cache and host work dominates); kTwoPhase for
 // every block on CPU, training included; kOneCall never. CUDA streams read
 // two-phase only under kTwoPhase (training included): kAuto keeps one-call
 // reads on CUDA (on an H200 two-phase was slower than one-call at S = 2).
@@ -150,8 +152,8 @@ TORCH_MODULE(AttnResResidual);
 //
 // The stream holds references, never copies: Full keeps each appended tensor
 // itself; Block builds partial sums out of place so autograd sees every step.
-// With declared readers a Block stream defers an output's add into the
-// partial sum to the next read, whose merge adds it (the fused prefix add,
+// A Block stream defers an output's add into the partial sum to the next
+// read, which adds it inside its kernels (the fused prefix add,
 // docs/design.md §12); anything else that needs the sum adds it first, in
 // the grad and inference modes of the append. So an appended output must not
 // be changed in place, and one stream is not read from two threads at once
