@@ -38,6 +38,7 @@ _AUTO_MIN_INFERENCE_NUMEL = 1 << 18
 _OUT_NORMS = (None, "rmsnorm")
 _AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_UNSET = object()
 
 
 class _PhaseOne(NamedTuple):
@@ -172,6 +173,7 @@ class DepthStream:
         self._pending_mode: Tuple[bool, bool] = (False, False)
         self._in_partial = 0  # outputs summed into the current block so far
         self.num_outputs = 0  # sublayer outputs appended so far
+        self._rule = self._read_rule()
         self.block_storage = block_storage
         # Row k of block_storage holds block k's sum (None: no storage). The
         # streams sharing the rows (clones) share _storage_writes, the number
@@ -402,6 +404,7 @@ class DepthStream:
         stream._in_partial, stream.num_outputs = in_partial, num_outputs
         stream.block_storage, stream._rows = None, None
         stream._storage_writes, stream._writes_seen = [0], 0
+        stream._rule = _UNSET  # its leaves may be anything (tree_map): made at the first read
         return stream
 
     def _settle(self) -> None:
@@ -428,24 +431,36 @@ class DepthStream:
         delta, self._pending = self._pending, None
         return delta
 
-    def _two_phase(self, num_completed: int) -> bool:
-        """Whether the reads of the current block use the two-phase ops."""
+    def _read_rule(self) -> Optional[str]:
+        """The part of the two-phase choice fixed by the configuration (made
+        once: a read's host time matters at decode sizes): None for one-call
+        reads only, "always", or the CPU's "auto" rule ("auto-small" for
+        sources of decode size, which read one-call without grad mode)."""
         if self.readers is None or self.block_size is None or self.block_size < 2:
-            return False
+            return None
         if self.block_reads == "one_call":
-            return False
+            return None
         if self.device.type not in ("cpu", "cuda") or self.dtype not in _TWO_PHASE_DTYPES:
-            return False
+            return None
+        if self.block_reads == "two_phase":
+            return "always"
         if self.device.type == "cuda":
             # CUDA kernels for every phase op, not yet run on a GPU: used when
             # asked for ("two_phase"), training included (design §10).
-            return self.block_reads == "two_phase"
-        if self.block_reads == "two_phase":
-            return True
+            return None
+        return "auto-small" if self.embedding.numel() <= _AUTO_MIN_INFERENCE_NUMEL else "auto"
+
+    def _two_phase(self, num_completed: int) -> bool:
+        """Whether the reads of the current block use the two-phase ops."""
+        rule = self._rule
+        if rule is _UNSET:
+            rule = self._rule = self._read_rule()
+        if rule is None or rule == "always":
+            return rule is not None
         if torch.is_grad_enabled():
             if self.dtype in _AUTO_ONE_CALL_TRAINING_DTYPES:
                 return False
-        elif self.embedding.numel() <= _AUTO_MIN_INFERENCE_NUMEL:
+        elif rule == "auto-small":
             return False
         return num_completed >= _AUTO_MIN_COMPLETED
 
