@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _C  # registers torch.ops.attnres.*; direct calls of three ops (_call)
+from . import _C  # registers torch.ops.attnres.*; direct calls of four ops (_call)
 
 _SUPPORTED = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _REDUCED = (torch.bfloat16, torch.float16)
