@@ -492,11 +492,6 @@ PY
   echo "out_norm stage rc=${PIPESTATUS[0]}"
 }
 
-# The two-phase Block reads (issue 9, docs/design.md §10): inference reads of
-# a Block model, two-phase vs one-call, fp32 D=1024 at 8192 tokens, every
-# (L, S) in {12, 32, 64} x {2, 4, 8}, and phase 1 alone against S one-call
-# reads (benchmarks/block_reads.py --reads-only, synchronized wall-clock
-# medians). At most BLOCK_READS_S (default 45) seconds; the table goes to
 # Decoding at batch 1 (benchmarks/decode.py): a K3-style Block GPT's decode
 # step with a static KV cache and block_storage, captured in a CUDA graph and
 # replayed token by token, checked against one forward over the sequence
@@ -523,6 +518,11 @@ decode_stage() {
   echo "decode stage rc=$?"
 }
 
+# The two-phase Block reads (issue 9, docs/design.md §10): inference reads of
+# a Block model, two-phase vs one-call, fp32 D=1024 at 8192 tokens, every
+# (L, S) in {12, 32, 64} x {2, 4, 8}, and phase 1 alone against S one-call
+# reads (benchmarks/block_reads.py --reads-only, synchronized wall-clock
+# medians). At most BLOCK_READS_S (default 45) seconds; the table goes to
 # $RESULTS as block_reads.py names it.
 BLOCK_READS_S=${BLOCK_READS_S:-45}
 block_reads_stage() {

@@ -55,7 +55,7 @@ constexpr int64_t kAutoMinCompleted = 3;
 // Under no_grad/inference kAuto reads one-call while a source holds at most
 // this many elements (decode-sized reads): the sources stay in cache, and the
 // two-phase path's extra host work costs more than the bytes it saves.
-constexpr int64_t kAutoMinInferenceNumel = int64_t{1} << 18;
+constexpr int64_t kAutoOneCallInferenceNumel = int64_t{1} << 18;
 
 std::optional<int64_t> checked_block_size(std::optional<int64_t> block_size) {
   TORCH_CHECK_VALUE(!block_size || *block_size > 0,
@@ -121,6 +121,9 @@ void DepthStream::check_block_storage() {
                     "is for inference)");
   TORCH_CHECK_VALUE(!shares_memory(storage, embedding_),
                     "block_storage must not share memory with the embedding");
+  TORCH_CHECK_VALUE(!storage.is_inference() || c10::InferenceMode::is_enabled(),
+                    "block_storage is an inference tensor (made under torch.inference_mode) but "
+                    "the stream is built outside inference mode, where its rows cannot be written");
   rows_ = storage.unbind(0);
 }
 
@@ -274,7 +277,7 @@ bool DepthStream::two_phase(int64_t num_completed) const {
   if (block_reads_ == BlockReads::kTwoPhase) return true;
   if (at::GradMode::is_enabled()) {
     if (t == at::kBFloat16 || t == at::kHalf) return false;
-  } else if (embedding_.numel() <= kAutoMinInferenceNumel) {
+  } else if (embedding_.numel() <= kAutoOneCallInferenceNumel) {
     return false;
   }
   return num_completed >= kAutoMinCompleted;
@@ -446,14 +449,23 @@ void AttnResResidualImpl::reset_parameters() {
   if (out_weight.defined()) out_weight.fill_(1.0);
 }
 
-void AttnResResidualImpl::check_width(const DepthStream& stream) const {
-  TORCH_CHECK_VALUE(stream.width() == options.dim(), "AttnResResidual has width dim = ",
-                    options.dim(), " but the DepthStream has width D = ", stream.width());
-}
 
 at::Tensor AttnResResidualImpl::read_one_call(const DepthStream& stream) {
   return depth_attention(stream.sources(), query, gain_or_none(), options.eps(), 1.0,
                          out_weight_or_none(), options.out_eps());
+}
+
+void AttnResResidualImpl::check_width(const DepthStream& stream) const {
+  TORCH_CHECK_VALUE(stream.width() == options.dim(), "AttnResResidual has width dim = ",
+                    options.dim(), " but the DepthStream has width D = ", stream.width());
+  // A read with a graph saves views of the rows that later appends write.
+  TORCH_CHECK_VALUE(
+      !stream.block_storage().defined() || !at::GradMode::is_enabled() ||
+          !(query.requires_grad() || (norm_weight.defined() && norm_weight.requires_grad()) ||
+            (out_weight.defined() && out_weight.requires_grad())),
+      "AttnResResidual: a read of a stream with block_storage under grad mode with parameters "
+      "that require grad (the stream writes its rows in place: it is for inference); read under "
+      "torch.no_grad() or torch.inference_mode(), or build the stream without block_storage");
 }
 
 at::Tensor AttnResResidualImpl::forward(const DepthStream& stream) {

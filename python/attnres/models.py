@@ -135,15 +135,20 @@ class GPTConfig:
 
 class KVCache:
     """A static key/value cache for decoding: per layer ``[B, H, max_len,
-    D / H]`` keys and values, and ``pos`` (an int64 tensor: the tokens seen
-    so far). A forward with the cache writes its T tokens at ``pos``,
-    attends to everything before them and advances ``pos``: no Python int
-    and no allocation depends on the position, so a decode step can be
-    captured in a CUDA graph and replayed."""
+    D / H]`` keys and values (``dtype``: pass the model's; default float32),
+    and ``pos`` (an int64 tensor: the tokens seen so far). A forward with the
+    cache writes its T tokens at ``pos``, attends to everything before them
+    and advances ``pos``: no Python int and no allocation depends on the
+    position, so a decode step can be captured in a CUDA graph and replayed.
+    The caller keeps ``pos + T <= max_len`` (``pos`` lives on the device:
+    checking it would synchronize)."""
 
     def __init__(self, cfg: "GPTConfig", batch: int, max_len: Optional[int] = None,
                  device=None, dtype=None):
         max_len = cfg.seq_len if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 < max_len <= cfg.seq_len:
+            raise ValueError(f"max_len must be an int in [1, cfg.seq_len = {cfg.seq_len}] (the "
+                             f"position embedding's length), got {max_len!r}")
         shape = (batch, cfg.n_heads, max_len, cfg.d_model // cfg.n_heads)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]

@@ -34,7 +34,7 @@ _AUTO_MIN_COMPLETED = 3
 # and the two-phase path's extra host work (grouping the block's readers,
 # stacking their queries, phase-1 bookkeeping) costs more than the bytes it
 # saves (benchmarks/results/NOTES.md, "Block reads at decode sizes").
-_AUTO_MIN_INFERENCE_NUMEL = 1 << 18
+_AUTO_ONE_CALL_INFERENCE_NUMEL = 1 << 18
 _OUT_NORMS = (None, "rmsnorm")
 _AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
 _TWO_PHASE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +114,9 @@ class DepthStream:
     every step. A Block stream keeps an appended output until the next read,
     which adds it into the partial sum inside its kernels (the fused prefix
     add, docs/design.md §12); anything else that needs the sum adds it
-    first. So do not change an appended output in place. It is a pytree of
+    first. So do not change an appended output in place; and since a read
+    and the partial sum it forms are outputs of one autograd node, a second
+    backward through reads of one stream needs ``retain_graph=True``. It is a pytree of
     its tensors (:meth:`flatten`), so FSDP2, pipelining, checkpointing, hooks
     and ``torch.compile`` see them.
 
@@ -124,8 +126,9 @@ class DepthStream:
     (its first output copied in, the others added), so completed blocks and
     partial sums allocate nothing, and the reads take the rows as views.
     Appends then add at once (no fused prefix add: that writes a new P'),
-    and an output that needs a gradient under grad mode is refused (in-place
-    writes to one buffer would invalidate the views a backward saves). A
+    and an output that needs a gradient, or a read with parameters that
+    need one, under grad mode is refused (in-place writes to one buffer
+    would invalidate the views a backward saves). A
     clone shares the rows: once one of the streams sharing them appends, the
     others refuse to read or append. R must cover every block the stream
     starts: ``ceil(outputs / block_size)``.
@@ -244,8 +247,16 @@ class DepthStream:
                 "block_storage must not require grad: the stream writes its rows in place (it is "
                 "for inference)"
             )
-        if ops._shares_memory(storage, self.embedding):
-            raise ValueError("block_storage must not share memory with the embedding")
+        # Memory and inference-mode checks only in eager mode: dynamo traces
+        # neither storage identities nor is_inference().
+        if not torch.compiler.is_compiling():
+            if ops._shares_memory(storage, self.embedding):
+                raise ValueError("block_storage must not share memory with the embedding")
+            if storage.is_inference() and not torch.is_inference_mode_enabled():
+                raise ValueError(
+                    "block_storage is an inference tensor (made under torch.inference_mode) but "
+                    "the stream is built outside inference mode, where its rows cannot be written"
+                )
         return list(storage.unbind(0))
 
     def _check_storage_current(self) -> None:
@@ -277,7 +288,8 @@ class DepthStream:
     def flatten(self) -> Tuple[List[torch.Tensor], StreamSpec]:
         """``(tensors, spec)``: :attr:`sources` and what rebuilds the stream
         from them (:meth:`unflatten`); the pytree form of the stream. The
-        rebuilt stream has no block_storage."""
+        rebuilt stream has no block_storage, and its sources are the rows
+        themselves: the stream flattened must not append after."""
         return self.sources, StreamSpec(self.block_size, self.num_outputs, self.block_reads,
                                         self.readers)
 
@@ -448,7 +460,7 @@ class DepthStream:
             # CUDA kernels for every phase op, not yet run on a GPU: used when
             # asked for ("two_phase"), training included (design §10).
             return None
-        return "auto-small" if self.embedding.numel() <= _AUTO_MIN_INFERENCE_NUMEL else "auto"
+        return "auto-small" if self.embedding.numel() <= _AUTO_ONE_CALL_INFERENCE_NUMEL else "auto"
 
     def _two_phase(self, num_completed: int) -> bool:
         """Whether the reads of the current block use the two-phase ops."""
@@ -689,6 +701,15 @@ class AttnResResidual(nn.Module):
             raise ValueError(
                 f"AttnResResidual has width dim = {self.dim} but the DepthStream has width "
                 f"D = {stream.width}"
+            )
+        if stream._rows is not None and torch.is_grad_enabled() and any(
+                p is not None and p.requires_grad for p in self._read_params()):
+            # A read with a graph saves views of the rows that later appends write.
+            raise ValueError(
+                "AttnResResidual: a read of a stream with block_storage under grad mode with "
+                "parameters that require grad (the stream writes its rows in place: it is for "
+                "inference); read under torch.no_grad() or torch.inference_mode(), or build the "
+                "stream without block_storage"
             )
         if not torch.is_grad_enabled():
             _refuse_reentrant_checkpoint(stream)

@@ -1155,6 +1155,25 @@ TEST(BlockStorage, BadStorageIsRefusedWithItsReason) {
   attnres::DepthStream training(emb, 2, attnres::BlockReads::kAuto, {}, at::empty({1, 2, 4}));
   expect_error<c10::ValueError>([&] { training.append(w * 2); },
                                 "writes its blocks in place and is for inference");
+  // A read whose parameters need a gradient would save views of the rows.
+  attnres::AttnResResidual read(4);
+  expect_error<c10::ValueError>([&] { read(training); },
+                                "a read of a stream with block_storage under grad mode");
+  expect_error<c10::ValueError>([&] { read->forward_with_weights(training); },
+                                "a read of a stream with block_storage under grad mode");
+  {
+    torch::NoGradGuard no_grad;
+    read(training);
+  }
+  // An inference tensor as storage, outside inference mode.
+  at::Tensor made_in_inference;
+  {
+    c10::InferenceMode inference;
+    made_in_inference = at::empty({2, 2, 4});
+    make(2, made_in_inference);
+  }
+  expect_error<c10::ValueError>([&] { make(2, made_in_inference); },
+                                "block_storage is an inference tensor");
 }
 
 // A CUDA stream reads two-phase when asked (kTwoPhase), training included:

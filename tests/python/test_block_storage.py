@@ -133,6 +133,11 @@ def test_bad_storage_is_refused_with_its_reason():
     buf = torch.empty(3, 2, 4)
     with pytest.raises(ValueError, match="must not share memory with the embedding"):
         attnres.DepthStream(buf[1], 2, block_storage=buf)
+    with torch.inference_mode():
+        made_in_inference = torch.empty(2, 2, 4)
+        attnres.DepthStream(emb, 2, block_storage=made_in_inference)  # fine in inference mode
+    with pytest.raises(ValueError, match="block_storage is an inference tensor"):
+        attnres.DepthStream(emb, 2, block_storage=made_in_inference)
     # The embedding in a row of its own next to the storage's rows is fine.
     attnres.DepthStream(buf[0], 2, block_storage=buf[1:])
 
@@ -155,6 +160,14 @@ def test_too_few_rows_and_outputs_that_need_a_gradient_are_refused():
     # Under grad mode with nothing that needs a gradient the stream works too.
     stream.append(torch.randn(2, D))
     assert stream.num_sources == 2
+    # A read whose parameters need a gradient would save views of the rows.
+    read = attnres.AttnResResidual(D)
+    with pytest.raises(ValueError, match="a read of a stream with block_storage under grad mode"):
+        read(stream)
+    with pytest.raises(ValueError, match="a read of a stream with block_storage under grad mode"):
+        read(stream, return_weights=True)
+    read.requires_grad_(False)
+    read(stream)  # frozen reads under grad mode record nothing
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
@@ -167,12 +180,13 @@ def test_gpt_block_inference_with_storage_equals_without(norm):
         with torch.no_grad():
             r.query.normal_()
     idx = torch.randint(0, 64, (2, 9))
-    storage = torch.empty(cfg.num_blocks, 2, 9, 32)
+    storage = torch.full((cfg.num_blocks, 2, 9, 32), float("nan"))
     with torch.no_grad():
         plain, _ = model(idx)
         stored, _ = model(idx, block_storage=storage)
     assert cfg.num_blocks == 3
     assert torch.equal(plain, stored)
+    assert not storage.isnan().any()  # every row was written: the storage was used
     with pytest.raises(ValueError, match="block_storage is for Block streams"):
         GPT(GPTConfig(residual="full", n_layers=1))(idx, block_storage=storage)
     with pytest.raises(ValueError, match="block_storage needs residual='block'"):
@@ -197,10 +211,38 @@ def test_kv_cache_decoding_equals_the_full_forward(residual):
         full, _ = model(idx)
         cache = KVCache(cfg, batch=2)
         prompt, _ = model(idx[:, :4], kv_cache=cache)  # prefill of 4 tokens
-        steps = [prompt]
-        storage = torch.empty(cfg.num_blocks, 2, 1, 32) if residual == "block" else None
-        for t in range(4, 10):
+        chunk, _ = model(idx[:, 4:7], kv_cache=cache)  # 3 more at position 4
+        steps = [prompt, chunk]
+        storage = None
+        if residual == "block":
+            storage = torch.full((cfg.num_blocks, 2, 1, 32), float("nan"))
+        for t in range(7, 10):
             logits, _ = model(idx[:, t:t + 1], kv_cache=cache, block_storage=storage)
             steps.append(logits)
     assert int(cache.pos) == 10
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert storage is None or not storage.isnan().any()
+    with pytest.raises(ValueError, match=r"max_len must be an int in \[1, cfg.seq_len = 12\]"):
+        KVCache(cfg, batch=1, max_len=13)
+
+
+def test_compiled_block_gpt_with_storage_traces_in_one_graph():
+    """torch.compile(fullgraph=True) of a Block GPT's inference with
+    block_storage: one graph, the eager logits, the rows written."""
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2,
+                    residual="block", block_size=2, norm="rmsnorm", block_reads="two_phase")
+    torch.manual_seed(2)
+    model = GPT(cfg).eval()
+    for r in model.readers():
+        with torch.no_grad():
+            r.query.normal_()
+    idx = torch.randint(0, 32, (2, 8))
+    storage = torch.full((cfg.num_blocks, 2, 8, 16), float("nan"))
+    compiled = torch.compile(lambda i, s: model(i, block_storage=s)[0], fullgraph=True,
+                             backend="aot_eager")
+    with torch.no_grad():
+        want, _ = model(idx)
+        got = compiled(idx, storage)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not storage.isnan().any()

@@ -111,6 +111,8 @@ class AttnResResidualImpl : public torch::nn::Cloneable<AttnResResidualImpl> {
 
  private:
   friend class DepthStream;
+  // The stream's width is dim, and a stream with block_storage is not read
+  // with a graph.
   void check_width(const DepthStream& stream) const;
   at::Tensor read_one_call(const DepthStream& stream);
   // norm_weight and out_weight as the ops take them (nullopt when absent).
