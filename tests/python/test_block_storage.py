@@ -10,6 +10,8 @@ import torch
 import attnres
 from attnres.models import GPT, GPTConfig, KVCache
 
+from helpers import randomize_reads
+
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -175,10 +177,7 @@ def test_gpt_block_inference_with_storage_equals_without(norm):
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=5, n_heads=4,
                     residual="block", block_layers=2, norm=norm)
     torch.manual_seed(0)
-    model = GPT(cfg).eval()
-    for r in model.readers():
-        with torch.no_grad():
-            r.query.normal_()
+    model = randomize_reads(GPT(cfg).eval())
     idx = torch.randint(0, 64, (2, 9))
     storage = torch.full((cfg.num_blocks, 2, 9, 32), float("nan"))
     with torch.no_grad():
@@ -203,9 +202,7 @@ def test_kv_cache_decoding_equals_the_full_forward(residual):
     torch.manual_seed(1)
     model = GPT(cfg).eval()
     if residual != "standard":
-        for r in model.readers():
-            with torch.no_grad():
-                r.query.normal_()
+        randomize_reads(model)
     idx = torch.randint(0, 64, (2, 10))
     with torch.no_grad():
         full, _ = model(idx)
@@ -233,10 +230,7 @@ def test_compiled_block_gpt_with_storage_traces_in_one_graph():
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2,
                     residual="block", block_size=2, norm="rmsnorm", block_reads="two_phase")
     torch.manual_seed(2)
-    model = GPT(cfg).eval()
-    for r in model.readers():
-        with torch.no_grad():
-            r.query.normal_()
+    model = randomize_reads(GPT(cfg).eval())
     idx = torch.randint(0, 32, (2, 8))
     storage = torch.full((cfg.num_blocks, 2, 8, 16), float("nan"))
     compiled = torch.compile(lambda i, s: model(i, block_storage=s)[0], fullgraph=True,

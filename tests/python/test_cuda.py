@@ -221,7 +221,7 @@ def test_cuda_graph_replays_a_block_decode_step(block_reads):
                            for t in range(prompt, total)], 1)
         cache = KVCache(cfg, 1, device="cuda")
         model(idx[:, :prompt], kv_cache=cache)
-        storage = torch.empty(cfg.num_blocks, 1, 1, cfg.d_model, device="cuda")
+        storage = torch.full((cfg.num_blocks, 1, 1, cfg.d_model), float("nan"), device="cuda")
         token = idx[:, prompt:prompt + 1].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -243,6 +243,7 @@ def test_cuda_graph_replays_a_block_decode_step(block_reads):
     replayed = torch.cat(replayed, 1)
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(replayed, full, rtol=1e-4, atol=1e-4)
+    assert not storage.isnan().any()  # the replayed step builds its blocks in the storage
 
 
 def test_more_than_2_31_elements():
