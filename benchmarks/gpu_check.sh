@@ -96,6 +96,17 @@ trap 'echo "gpu_check.sh: stopped by a signal after $(elapsed) s"; exit 143' TER
 # A stage's cap: its own cap, but never past what is left minus what the
 # later stages keep ($2). Prints 0 when nothing is left.
 cap() { local c; c=$(min "$1" $(( $(left) - $2 ))); [ "$c" -lt 0 ] && c=0; echo "$c"; }
+# A benchmark stage's start: its cap ($1, keeping the tests' and the
+# sanitizer's shares and a minute), its header ($2), STAGE_CAP set; returns 1
+# after "no time left" when the cap is under $3 (default 15) seconds.
+stage_start() {
+  STAGE_CAP=$(cap "$1" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
+  echo "== $2 ($(elapsed) s elapsed, cap ${STAGE_CAP} s)"
+  if [ "$STAGE_CAP" -lt "${3:-15}" ]; then
+    echo "no time left"
+    return 1
+  fi
+}
 
 install_peers() {
   echo "== peers: install from .whl/ ($(elapsed) s)"
@@ -408,13 +419,8 @@ PY
 RING_AB_S=${RING_AB_S:-40}
 RING_AB_SHAPES="bf16:9:65536:1024,fp32:16:65536:512"
 ring_ab_stage() {
-  local c
-  c=$(cap "$RING_AB_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== rings A/B: ATTNRES_CUDA_RING=1 rows ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -lt 20 ]; then
-    echo "no time left"
-    return 0
-  fi
+  stage_start "$RING_AB_S" "rings A/B: ATTNRES_CUDA_RING=1 rows" 20 || return 0
+  local c=$STAGE_CAP
   local half=$(( c / 2 ))
   if [ "$DRY_RUN" = 1 ]; then
     # The same code path on the CPU (the switch only matters to the CUDA kernels).
@@ -441,13 +447,8 @@ ring_ab_stage() {
 # At most OUT_NORM_S (default 40) seconds; rows in $RESULTS/gpu_out_norm.md.
 OUT_NORM_S=${OUT_NORM_S:-40}
 out_norm_stage() {
-  local c
-  c=$(cap "$OUT_NORM_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== fused output norm: fused vs read + rms_norm ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -lt 15 ]; then
-    echo "no time left"
-    return 0
-  fi
+  stage_start "$OUT_NORM_S" "fused output norm: fused vs read + rms_norm" || return 0
+  local c=$STAGE_CAP
   timeout -k 5 "$c" python3 - <<'PY' 2>&1 | tee "$RESULTS/gpu_out_norm.md"
 import os, time, torch, attnres
 import torch.nn.functional as F
@@ -501,13 +502,8 @@ PY
 # 45) seconds.
 DECODE_S=${DECODE_S:-45}
 decode_stage() {
-  local c
-  c=$(cap "$DECODE_S" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== decode step: eager and CUDA graph replay, tokens/s ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -lt 15 ]; then
-    echo "no time left"
-    return 0
-  fi
+  stage_start "$DECODE_S" "decode step: eager and CUDA graph replay, tokens/s" || return 0
+  local c=$STAGE_CAP
   if [ "$DRY_RUN" = 1 ]; then
     timeout -k 5 "$c" python3 benchmarks/decode.py --device cpu --layers 2 --width 64 --heads 4 \
       --block-layers 1 --tokens 4 --repeats 1 --out-dir "$RESULTS"
@@ -545,14 +541,10 @@ block_gpt_stage() {
 # what it measures, the rest block_reads.py's arguments on the GPU (the dry
 # run: the first of them with --quick, on the CPU).
 block_reads_script_stage() {
-  local name=$1 cap_s=$2 what=$3 c
+  local name=$1 cap_s=$2 what=$3
   shift 3
-  c=$(cap "$cap_s" $(( TESTS_MIN_S + SANITIZE_S + 60 )))
-  echo "== $what ($(elapsed) s elapsed, cap ${c} s)"
-  if [ "$c" -lt 15 ]; then
-    echo "no time left"
-    return 0
-  fi
+  stage_start "$cap_s" "$what" || return 0
+  local c=$STAGE_CAP
   if [ "$DRY_RUN" = 1 ]; then
     timeout -k 5 "$c" python3 benchmarks/block_reads.py --device cpu --quick "$1"
   else

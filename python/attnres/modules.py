@@ -33,7 +33,7 @@ _AUTO_MIN_COMPLETED = 3
 # this many elements (decode-sized reads): there the sources stay in cache,
 # and the two-phase path's extra host work (grouping the block's readers,
 # stacking their queries, phase-1 bookkeeping) costs more than the bytes it
-# saves (benchmarks/results/NOTES.md, "Block reads at decode sizes").
+# saves (benchmarks/results/NOTES.md section 7, read_host_time.py's table 2).
 _AUTO_ONE_CALL_INFERENCE_NUMEL = 1 << 18
 _OUT_NORMS = (None, "rmsnorm")
 _AUTO_ONE_CALL_TRAINING_DTYPES = (torch.bfloat16, torch.float16)
@@ -116,9 +116,9 @@ class DepthStream:
     add, docs/design.md §12); anything else that needs the sum adds it
     first. So do not change an appended output in place; and since a read
     and the partial sum it forms are outputs of one autograd node, a second
-    backward through reads of one stream needs ``retain_graph=True``. It is a pytree of
-    its tensors (:meth:`flatten`), so FSDP2, pipelining, checkpointing, hooks
-    and ``torch.compile`` see them.
+    backward through reads of one stream needs ``retain_graph=True``. It is
+    a pytree of its tensors (:meth:`flatten`), so FSDP2, pipelining,
+    checkpointing, hooks and ``torch.compile`` see them.
 
     ``block_storage`` (Block streams, for inference and CUDA graphs): a
     preallocated contiguous tensor ``[R, *embedding.shape]`` in the stream's
@@ -128,9 +128,9 @@ class DepthStream:
     Appends then add at once (no fused prefix add: that writes a new P'),
     and an output that needs a gradient, or a read with parameters that
     need one, under grad mode is refused (in-place writes to one buffer
-    would invalidate the views a backward saves). A
-    clone shares the rows: once one of the streams sharing them appends, the
-    others refuse to read or append. R must cover every block the stream
+    would invalidate the views a backward saves). A clone shares the rows:
+    once one of the streams sharing them appends, the others refuse to read
+    or append. R must cover every block the stream
     starts: ``ceil(outputs / block_size)``.
     """
 
