@@ -13,7 +13,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
@@ -24,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <vector>
 
 #include "attnres/op_sequence.h"
@@ -55,21 +55,21 @@ void forward(const ForwardCall& call) {
   const DepthProblem& p = call.problem;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  // The prefix add (docs/design.md §12): P' = P + delta by one add on the
-  // stream, then read as the last source (not yet fused into the read's
-  // prologue on CUDA; the phase-2 merge fuses it).
-  std::vector<at::Tensor> with_sum;
-  if (call.prefix) {
-    at::add_out(call.prefix->sum, call.sources.back(), call.prefix->delta);
-    with_sum.assign(call.sources.begin(), call.sources.end());
-    with_sum.back() = call.prefix->sum;
-  }
-  const at::TensorList sources = call.prefix ? at::TensorList(with_sum) : call.sources;
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, sources[0].scalar_type(), "attnres_forward_cuda", [&] {
+      at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const DeviceSources src(sources, nullptr, p.T, natural_vec<scalar_t>(),
-                                sizeof(scalar_t), stream);
+        DeviceSources src(call.sources, nullptr, p.T, natural_vec<scalar_t>(),
+                          sizeof(scalar_t), stream);
+        // The fused prefix add (docs/design.md §12): the kernel reads the
+        // last source P with delta's row and writes P' (call.prefix->sum,
+        // contiguous) while it reads the sources.
+        std::optional<Rows> delta;
+        if (call.prefix) {
+          delta.emplace(as_rows(call.prefix->delta));
+          align_forward_prefix<scalar_t>(src.layout, delta->tensor.const_data_ptr<scalar_t>(),
+                                         delta->row_stride,
+                                         call.prefix->sum.const_data_ptr<scalar_t>(), p.T, p.D);
+        }
         // The cp.async ring when a token's rows fit its stages (plan_forward)
         // and rings are allowed (ATTNRES_CUDA_RING): a grid of a few waves of
         // the ring kernel's resident CTAs, each looping over token blocks;
@@ -102,6 +102,10 @@ void forward(const ForwardCall& call) {
               launch.params, norm_weight.const_data_ptr<acc_t>(), norm->rstd.data_ptr<acc_t>(),
               norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr,
               static_cast<acc_t>(norm->eps));
+        }
+        if (delta) {
+          set_forward_prefix<scalar_t>(launch.params, delta->tensor.const_data_ptr<scalar_t>(),
+                                       delta->row_stride, call.prefix->sum.data_ptr<scalar_t>());
         }
         launch_forward<scalar_t>(launch.params, launch.config, stream);
       });

@@ -120,6 +120,28 @@ void set_forward_norm(ForwardParams<scalar_t>& params, const acc_t* weight, acc_
   params.norm_eps = eps;
 }
 
+// The fused prefix add of the forward (docs/design.md §12): the last
+// source's entry holds the block sum P, the kernel reads delta's row (rows
+// delta_stride apart) with it and writes P' to sum ([T, D] contiguous).
+// Both are accessed in the sources' packs: the layout is vector-aligned
+// only if they are too (before forward_plan picks the tile).
+template <typename scalar_t>
+void align_forward_prefix(SourceTableLayout& sources, const scalar_t* delta,
+                          int64_t delta_stride, const scalar_t* sum, int64_t T, int64_t D) {
+  constexpr int natural = natural_vec<scalar_t>();
+  sources.vector_aligned = sources.vector_aligned &&
+                           rows_aligned(delta, delta_stride, T, natural, sizeof(scalar_t)) &&
+                           rows_aligned(sum, D, T, natural, sizeof(scalar_t));
+}
+
+template <typename scalar_t>
+void set_forward_prefix(ForwardParams<scalar_t>& params, const scalar_t* delta,
+                        int64_t delta_stride, scalar_t* sum) {
+  params.prefix_delta = delta;
+  params.prefix_delta_stride = delta_stride;
+  params.prefix_sum = sum;
+}
+
 // Backward plan (tile, cp.async ring or staging, dynamic shared memory): the
 // caller asks the device how many CTAs of it are resident before building
 // the launch (allow_ring = false: no ring, as for the forward).

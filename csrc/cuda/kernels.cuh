@@ -596,6 +596,55 @@ __device__ __forceinline__ void read_staged_rows(const Pack<scalar_t, VEC>* stag
 // ---------------------------------------------------------------------------
 // Forward pieces shared by the kernel's fast path and its rare rescue.
 
+// The fused prefix add (docs/design.md §12): pack c of the last source of
+// token t holds P's values v, read as P' = v + delta rounded to the source
+// dtype from the accumulation dtype, as torch.add rounds. The fast path
+// stores P' (forward_prefix_add); the rescue forms it again, the same bits,
+// instead of reading that store back.
+template <typename scalar_t, int VEC, LoadHint kHint = LoadHint::kKeep>
+__device__ __forceinline__ Pack<scalar_t, VEC> prefix_added(const ForwardParams<scalar_t>& p,
+                                                            int64_t t, int c,
+                                                            const Pack<scalar_t, VEC>& v) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const Pack<scalar_t, VEC> d =
+      load_global<scalar_t, VEC, kHint>(p.prefix_delta + t * p.prefix_delta_stride + c);
+  Pack<scalar_t, VEC> o;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    o.x[e] = static_cast<scalar_t>(static_cast<acc_t>(v.x[e]) + static_cast<acc_t>(d.x[e]));
+  }
+  return o;
+}
+
+// Pack c of source i of token t as the read sees it (the rescue's loads).
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ Pack<scalar_t, VEC> forward_source_pack(
+    const ForwardParams<scalar_t>& p, int i, int64_t t, int c) {
+  const Pack<scalar_t, VEC> v =
+      load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+  return p.prefix_delta != nullptr && i == p.N - 1 ? prefix_added<scalar_t, VEC>(p, t, c, v)
+                                                   : v;
+}
+
+// The fast path's prefix add: the last source's row in registers becomes P',
+// stored once by the group of an active token (a surplus group computes on a
+// token another group stores).
+template <typename scalar_t, int VEC, int VPT, int kGroup>
+__device__ __forceinline__ void forward_prefix_add(const ForwardParams<scalar_t>& p,
+                                                   const ThreadPlace<kGroup>& pos, int64_t t,
+                                                   bool active,
+                                                   Pack<scalar_t, VEC> (&row)[VPT]) {
+  scalar_t* sum = p.prefix_sum + t * static_cast<int64_t>(pos.D);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = (k * pos.G + pos.lane) * VEC;
+    if (c < pos.D) {
+      row[k] = prefix_added<scalar_t, VEC, LoadHint::kStream>(p, t, c, row[k]);
+      if (active) store_global<scalar_t, VEC>(sum + c, row[k]);
+    }
+  }
+}
+
 // Turns the parked scores of token t into weights (the lanes that parked
 // them).
 template <typename scalar_t, int kGroup>
@@ -783,7 +832,7 @@ __device__ __forceinline__ void forward_rescued_pack(
   for (int e = 0; e < VEC; ++e) h[e] = acc_t(0);
   for (int i = 0; i < N; ++i) {
     const acc_t w = sm.weight(p.weights[static_cast<int64_t>(i) * T + t]);
-    const Row v = load_global<scalar_t, VEC>(source_row<scalar_t>(p.table, p.overflow, i, t) + c);
+    const Row v = forward_source_pack<scalar_t, VEC>(p, i, t, c);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) h[e] += w * static_cast<acc_t>(v.x[e]);
   }
@@ -809,7 +858,6 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
   sm.m = acc_t(0);
   sm.l = acc_t(1);
   for (int i = 0; i < pos.N; ++i) {
-    const scalar_t* src = source_row<scalar_t>(p.table, p.overflow, i, t);
     // The plain sums in row_dots' order (the same bits as the fast path),
     // then the rescued ones.
     acc_t sums[2] = {acc_t(0), acc_t(0)};
@@ -817,7 +865,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
     for (int k = 0; k < VPT; ++k) {
       const int c = (k * pos.G + pos.lane) * VEC;
       if (c < pos.D) {
-        const Row v = load_global<scalar_t, VEC>(src + c);
+        const Row v = forward_source_pack<scalar_t, VEC>(p, i, t, c);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const acc_t x = static_cast<acc_t>(v.x[e]);
@@ -834,7 +882,7 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
     for (int k = 0; k < VPT; ++k) {
       const int c = (k * pos.G + pos.lane) * VEC;
       if (c < pos.D) {
-        const Row v = load_global<scalar_t, VEC>(src + c);
+        const Row v = forward_source_pack<scalar_t, VEC>(p, i, t, c);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const acc_t x = static_cast<acc_t>(v.x[e]) * scale;
@@ -1031,6 +1079,15 @@ __global__ void __launch_bounds__(kMaxThreads, kKernelMinCtas)
       } else {
         load_rows<scalar_t, VEC, VPT, SU, LoadHint::kStream>(p.table, p.overflow, i0, pos.N, t,
                                                              pos.lane, pos.G, pos.D, rows);
+      }
+      // The fused prefix add (§12): the last source's row becomes P'.
+      if (p.prefix_delta != nullptr) {
+#pragma unroll
+        for (int j = 0; j < SU; ++j) {
+          if (i0 + j == pos.N - 1) {
+            forward_prefix_add<scalar_t, VEC, VPT>(p, pos, t, active, rows[j]);
+          }
+        }
       }
       // Per row: sum(v^2) and dot(u, v).
       acc_t sums[2 * SU];

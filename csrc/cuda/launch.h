@@ -62,6 +62,12 @@ struct ForwardParams {
   // keeps the N rows of its next ring_stages tokens in shared memory; 0 for
   // the register pipeline.
   int ring_stages;
+  // The fused prefix add (docs/design.md §12; set_forward_prefix): the last
+  // source is the block sum P, read as P' = P + prefix_delta (rounded as
+  // torch.add) and written to prefix_sum ([T, D] contiguous). Null: none.
+  const scalar_t* prefix_delta;  // rows prefix_delta_stride apart
+  int64_t prefix_delta_stride;
+  scalar_t* prefix_sum;
 };
 
 template <typename scalar_t>

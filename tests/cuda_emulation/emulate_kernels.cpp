@@ -99,6 +99,12 @@ struct Case {
   // kAnyGroup instantiation (G at run time: the kernels before the classes)
   // and every output must have the same bits.
   bool check_any_group_bits = false;
+  // The fused prefix add (docs/design.md §12): the forward runs again with
+  // the last source's entry holding P (3/4 of the drawn rows) and delta
+  // (a quarter of them times uniform [-1, 1], laid out as the sources), and
+  // must give the first run's bits (over P' = P + delta rounded as
+  // torch.add, which every other check uses) and write P' bit for bit.
+  bool prefix = false;
 };
 
 // Cases whose forward took the cp.async ring (each also compared bit for
@@ -167,6 +173,19 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
         src[t % N][offset + t * stride + d] =
             static_cast<scalar_t>(k * (double(u[d]) + 0.01 * normal(rng) / std::sqrt(double(D))));
       }
+    }
+  }
+  // The prefix add's P and delta: P' (the last source as drawn above, which
+  // every check reads) becomes round(P + delta), within the drawn range.
+  std::vector<scalar_t> P0, delta;
+  if (c.prefix) {
+    std::vector<scalar_t>& last = src[N - 1];
+    P0.resize(last.size());
+    delta.resize(last.size());
+    for (size_t k = 0; k < last.size(); ++k) {
+      P0[k] = static_cast<scalar_t>(0.75 * double(last[k]));
+      delta[k] = static_cast<scalar_t>(0.25 * double(last[k]) * uniform(rng));
+      last[k] = static_cast<scalar_t>(static_cast<acc_t>(P0[k]) + static_cast<acc_t>(delta[k]));
     }
   }
   std::vector<scalar_t> dh(T * D);
@@ -277,6 +296,44 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     ring_same_bits = reg.params.ring_stages == 0 && same_bits(out, out2) &&
                      same_bits(rstd, rstd2) && same_bits(weights, weights2) &&
                      same_bits(h_kept, h2) && same_bits(out_rstd, out_rstd2);
+  }
+  // The prefix add: the same launch shape with P in the last entry, delta
+  // and a P' buffer (NaN until written), into fresh buffers; its layout
+  // (align_forward_prefix, as the host makes it) must plan the same tile.
+  bool prefix_same_bits = true;
+  if (c.prefix) {
+    std::vector<scalar_t> sum(T * D, static_cast<scalar_t>(NAN));
+    SourceTableLayout with_delta = layout;
+    align_forward_prefix<scalar_t>(with_delta, delta.data() + offset, stride, sum.data(), T, D);
+    const ForwardPlan pplan = forward_plan<scalar_t>(with_delta, N, D, c.smem_optin);
+    std::vector<scalar_t> out3(T * D, static_cast<scalar_t>(NAN));
+    std::vector<acc_t> rstd3(N * T, static_cast<acc_t>(NAN));
+    std::vector<acc_t> weights3(N * T, static_cast<acc_t>(NAN));
+    std::vector<scalar_t> h3(c.norm ? T * D : 0, static_cast<scalar_t>(NAN));
+    std::vector<acc_t> out_rstd3(c.norm ? T : 0, static_cast<acc_t>(NAN));
+    std::vector<SourceEntry> overflow = layout.overflow;
+    auto pre = forward_launch<scalar_t>(pplan, with_delta, overflow.data(), u.data(), out3.data(),
+                                        rstd3.data(), weights3.data(), T, N, D,
+                                        static_cast<acc_t>(eps), c.grid_cap);
+    SourceEntry& last = N - 1 < kTableCapacity ? pre.params.table.first[N - 1]
+                                               : overflow[N - 1 - kTableCapacity];
+    last.src = P0.data() + offset;
+    if (c.norm) {
+      set_forward_norm<scalar_t>(pre.params, w_out.data(), out_rstd3.data(),
+                                 c.keep_h ? h3.data() : nullptr, static_cast<acc_t>(c.out_eps));
+    }
+    set_forward_prefix<scalar_t>(pre.params, delta.data() + offset, stride, sum.data());
+    run_forward_with(pre, false);
+    std::vector<scalar_t> want_sum(T * D);
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy_n(src[N - 1].begin() + offset + t * stride, D, want_sum.begin() + t * D);
+    }
+    prefix_same_bits = pplan.tile.vec == fplan.tile.vec && pplan.tile.vpt == fplan.tile.vpt &&
+                       pplan.tile.group == fplan.tile.group &&
+                       pplan.ring_stages == fplan.ring_stages && same_bits(sum, want_sum) &&
+                       same_bits(out3, out) && same_bits(rstd3, rstd) &&
+                       same_bits(weights3, weights) && same_bits(out_rstd3, out_rstd) &&
+                       (!c.keep_h || same_bits(h3, h_kept));
   }
   bool h_written_unkept = false;
   if (c.norm && !c.keep_h) {
@@ -529,6 +586,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   if (fplan.ring_stages > 0) {
     checks.push_back({"ring_vs_registers_bits", ring_same_bits ? 0.0 : 1.0, 0.0});
   }
+  if (c.prefix) checks.push_back({"prefix_add_bits", prefix_same_bits ? 0.0 : 1.0, 0.0});
   if (plan.ring_stages > 0 && c.run_backward) {
     checks.push_back({"bwd_ring_vs_plain_bits", bwd_ring_same_bits ? 0.0 : 1.0, 0.0});
   }
@@ -641,6 +699,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
              (c.out_eps != 1e-5 ? " out_eps=" + std::to_string(c.out_eps) : std::string()) + "]";
   }
   if (c.smem_optin != 227 * 1024) range += " optin=" + std::to_string(c.smem_optin);
+  if (c.prefix) range += " +prefix_add";
   if (!c.run_backward) {
     range += " (forward only)";
   } else if (!c.check_backward) {
@@ -1228,6 +1287,30 @@ int main(int argc, char** argv) {
     run(c10::BFloat16{}, {saturated({3, 40, 64, 0, false, 1}, with_norm, 2),
                           saturated({9, 20, 1024, 0, false, 3}, with_norm, 2)});
   }
+  // The fused prefix add (Case::prefix; forward only: the backward does not
+  // see it): P last in the table, in the overflow and alone (N = 1), at
+  // either end of a row batch, every group class, the ring (bf16 N = 9
+  // D = 1024), the scalar path (odd stride, misaligned), the norm with h
+  // kept or not, and rescued tokens (P of scale 1 beside rows near the
+  // maximum: the rescue reads P' again).
+  auto prefix = [](Case c) {
+    c.prefix = true;
+    c.run_backward = false;
+    c.check_backward = false;
+    return c;
+  };
+  run(double{}, {prefix({3, 5, 8, 0, false, 2}), prefix({70, 3, 16, 0, false, 2}),
+                 prefix(normed({2, 2, 1030, 0, false, 2})),
+                 prefix(range_case(3, 5, 8, {1e150, 1e-150, 1.0}))});
+  run(float{}, {prefix({1, 4, 3, 0, false, 4}), prefix({7, 9, 64, 0, false, 2}),
+                prefix({5, 6, 1000, 0, false, 2}), prefix({3, 4, 2052, 0, false, 2}),
+                prefix({3, 4, 100, 1, false, 2}), prefix({3, 4, 64, 0, true, 2}),
+                prefix({130, 3, 8, 0, false, 2}), prefix(normed({7, 9, 64, 0, false, 2}, false)),
+                prefix(range_case(3, 5, 64, {3e38, 1e-30, 1.0})),
+                prefix(normed(range_case(3, 5, 64, {3e38, 2e38})))});
+  run(c10::BFloat16{}, {prefix({9, 20, 1024, 0, false, 3}), prefix({3, 5, 7186, 0, false, 2}),
+                        prefix(normed({9, 20, 1000, 0, false, 2})), prefix({1, 7, 1, 0, false, 2})});
+  run(c10::Half{}, {prefix({17, 6, 64, 0, false, 1}), prefix({4, 300, 24, 0, false, 2})});
   // The forward's cp.async ring over N (forward only): one warp per token
   // (32 packs a row), rows of 512 bytes per warp, so 3 stages up to N = 32,
   // 2 up to N = 64 (the CTA's 64 KiB), none at 65 and 70; tokens per CTA

@@ -693,23 +693,37 @@ def test_cuda_block_stream_reads_two_phase_when_asked(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("out_norm", [False, True], ids=["plain", "out_norm"])
-def test_one_call_prefix_add_is_add_then_read_bit_for_bit(dtype, out_norm):
-    """The one-call read's delta on CUDA (one add, then the read kernel over
-    P'): values and every gradient equal torch.add then the plain read."""
-    src, q, w, dh = make_problem(4, (5, 7), 1000, dtype, seed=11)
+@pytest.mark.parametrize("shape", [(4, (5, 7), 1000, "contiguous"), (4, (5, 7), 1000, "strided"),
+                                   (4, (5, 7), 1000, "misaligned"), (10, (1,), 7168, "contiguous"),
+                                   (1, (3,), 64, "contiguous")],
+                         ids=lambda s: f"N{s[0]}-T{s[1]}-D{s[2]}-{s[3]}")
+def test_one_call_prefix_add_is_add_then_read_bit_for_bit(dtype, out_norm, shape):
+    """The one-call read's delta on CUDA (added to P in the read kernel as it
+    loads P, P' stored): values and every gradient equal torch.add then the
+    plain read; delta contiguous, strided rows, and one element past an
+    aligned address (the scalar path); a K3 decode read (9 blocks and P at
+    D = 7168, one token) and P alone."""
+    N, lead, D, layout = shape
+    src, q, w, dh = make_problem(N, lead, D, dtype, seed=11)
     delta = dh.flip(0)
-    ow = (torch.rand(1000, device="cuda", dtype=q.dtype) + 0.5) if out_norm else None
+    if layout == "strided":
+        delta = torch.cat([delta, delta[..., :8]], dim=-1)[..., :D]
+    elif layout == "misaligned":
+        delta = torch.cat([delta.new_zeros(1), delta.flatten()])[1:].view_as(delta)
+    ow = (torch.rand(D, device="cuda", dtype=q.dtype) + 0.5) if out_norm else None
 
     def run(fused):
-        leaves = [t.detach().clone().requires_grad_() for t in (*src, delta, q, w)]
-        *s, d, q_, w_ = leaves
+        leaves = [t.detach().clone().requires_grad_() for t in (*src, q, w)]
+        d = delta.detach().clone() if layout == "contiguous" else delta.detach()
+        d.requires_grad_()
+        *s, q_, w_ = leaves
         if fused:
             out, P_next = attnres.depth_attention(s, q_, w_, out_weight=ow, delta=d)
         else:
             P_next = s[-1] + d
             out = attnres.depth_attention([*s[:-1], P_next], q_, w_, out_weight=ow)
         loss = (out.float() * dh.float()).sum() + (P_next.float() * 0.5).sum()
-        return [out, P_next, *torch.autograd.grad(loss, leaves)]
+        return [out, P_next, *torch.autograd.grad(loss, [*leaves, d])]
 
     for i, (a, b) in enumerate(zip(run(True), run(False))):
         assert torch.equal(a, b), i
