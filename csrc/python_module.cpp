@@ -5,7 +5,7 @@
 // block_read_merge_inplace). It calls the same op through the dispatcher
 // (autograd, vmap, fake tensors and every device kernel as usual) without
 // torch.ops' boxed argument parsing, which costs about as much as a T = 1
-// read itself (docs/design.md §12). Arguments it does not take as they are
+// read itself (docs/design.md §12); a small call keeps the GIL. Arguments it does not take as they are
 // (a tensor subclass, a torch function mode: anything __torch_function__
 // may handle) make it return NotImplemented, and the caller goes through
 // torch.ops; so do calls under torch.compile (python/attnres/ops.py).
@@ -118,9 +118,27 @@ PyObject* wrap(const std::tuple<T...>& result) {
   return ok ? tuple.release() : nullptr;
 }
 
+// The elements of a call's tensor arguments: what its time scales with.
+int64_t elements(const at::Tensor& t) { return t.numel(); }
+int64_t elements(const std::optional<at::Tensor>& t) { return t ? t->numel() : 0; }
+int64_t elements(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) n += t.numel();
+  return n;
+}
+template <class T>
+int64_t elements(const T&) {
+  return 0;
+}
+
+// Calls with at most this many elements keep the GIL: releasing and taking
+// it back costs ~0.45 us, a tenth of a decode-sized read (such a call runs
+// for microseconds); larger ones release it.
+constexpr int64_t kKeepGilElements = int64_t(1) << 18;
+
 // The direct call of one op: its C++ API function `fn` with the arguments
-// taken from `args` (as the schema orders them), the GIL released while it
-// runs; NotImplemented where torch.ops should take the call.
+// taken from `args` (as the schema orders them), the GIL released while a
+// large call runs; NotImplemented where torch.ops should take the call.
 template <auto fn, class... A>
 PyObject* direct_call(PyObject* args, const char* name) {
   HANDLE_TH_ERRORS
@@ -129,8 +147,11 @@ PyObject* direct_call(PyObject* args, const char* name) {
       std::apply([&](auto&... v) { return take_args(args, name, v...); }, values);
   if (taken == Taken::kError) return nullptr;
   if (taken == Taken::kNotImplemented) Py_RETURN_NOTIMPLEMENTED;
+  const int64_t work = std::apply([](const auto&... v) { return (elements(v) + ...); }, values);
   decltype(std::apply(fn, values)) result;
-  {
+  if (work <= kKeepGilElements) {
+    result = std::apply(fn, values);
+  } else {
     pybind11::gil_scoped_release no_gil;
     result = std::apply(fn, values);
   }

@@ -259,7 +259,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
-  const int64_t tile = phase1_tile<scalar_t>(N, D);
+  const int64_t tile = std::min(phase1_tile<scalar_t>(N, D), T);  // as one call's forward
   at::parallel_for(0, T, parallel_grain((N + S) * D, tile), [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0);
     std::vector<acc_t> scores(tile * S * N), sc(S), w(S * N), rescue_row;

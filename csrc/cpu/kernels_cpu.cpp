@@ -434,7 +434,9 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call,
   const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
   acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
   scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
-  const int64_t tile = forward_tile<acc_t>(D);
+  // (At most T tokens: a decode-sized call allocates and clears no more
+  // scratch than it uses; the loops below run as with the full tile.)
+  const int64_t tile = std::min(forward_tile<acc_t>(D), T);
   at::parallel_for(0, T, parallel_grain(N * D, tile), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> acc(tile * D);
     std::vector<acc_t> scores(N * tile);
@@ -678,7 +680,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
 
   const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
   const int64_t chunk = chunks.size, n_chunks = chunks.count;
-  const int64_t tile = backward_tile<scalar_t>(N, D);
+  const int64_t tile = std::min(backward_tile<scalar_t>(N, D), T);  // as the forward's
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
   std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
@@ -871,7 +873,7 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
 
   const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
   const int64_t chunk = chunks.size, n_chunks = chunks.count;
-  const int64_t tile = backward_tile<scalar_t>(N, D);
+  const int64_t tile = std::min(backward_tile<scalar_t>(N, D), T);  // as the forward's
   std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
                              acc_t(0));
   std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,

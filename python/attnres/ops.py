@@ -505,7 +505,8 @@ def depth_attention(
                 f"a stacked sources tensor must have shape [N, ..., D], got {list(sources.shape)}"
             )
         sources = sources.unbind(0)
-    sources = list(sources)
+    if type(sources) is not list:
+        sources = list(sources)
     eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
     # The op checks everything else, once, in C++.
     try:
@@ -519,10 +520,10 @@ def depth_attention(
         # subclass): name the argument. Only on this failure path.
         _explain_not_implemented(sources, query, norm_weight, out_weight, delta)
         raise
-    result = (out, weights.to(torch.float32)) if return_weights else (out,)
-    if delta is not None:
-        result += (new_sum,)
-    return result if len(result) > 1 else out
+    if return_weights:
+        weights = weights.to(torch.float32)
+        return (out, weights) if delta is None else (out, weights, new_sum)
+    return out if delta is None else (out, new_sum)
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
