@@ -68,21 +68,42 @@ bool take(PyObject* obj, std::vector<at::Tensor>& out) {
 
 enum class Taken { kAll, kNotImplemented, kError };
 
-// The positional arguments `args` of `name`, one per output, all taken; or
-// kNotImplemented (torch.ops should take the call: a torch function mode is
-// on, or an argument is not of the op's exact types); or kError (a wrong
-// count: a Python error is set).
+// A call's arguments (vectorcall): the op's, positional, in the schema's
+// order, and the keyword `outputs`, a bit mask of the results to return
+// (bit i: result i; the others come back as None, unwrapped: a caller that
+// drops most of a read's outputs does not pay for their Python objects).
+struct CallArgs {
+  PyObject* const* args;
+  Py_ssize_t nargs;
+  PyObject* kwnames;
+};
+
+// The op's arguments, one per output, all taken, and the mask; or
+// kNotImplemented (torch.ops should take the call: a torch function mode
+// is on, or an argument is not of the op's exact types); or kError (a wrong
+// count or keyword: a Python error is set).
 template <class... T>
-Taken take_args(PyObject* args, const char* name, T&... out) {
+Taken take_args(const CallArgs& call, const char* name, uint64_t& outputs, T&... out) {
   constexpr Py_ssize_t n = sizeof...(T);
-  if (PyTuple_GET_SIZE(args) != n) {
-    PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments (%zd given)", name, n,
-                 PyTuple_GET_SIZE(args));
+  const Py_ssize_t given = PyVectorcall_NARGS(call.nargs);
+  if (given != n) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments (%zd given)", name, n, given);
     return Taken::kError;
+  }
+  outputs = ~uint64_t(0);
+  const Py_ssize_t keywords = call.kwnames ? PyTuple_GET_SIZE(call.kwnames) : 0;
+  for (Py_ssize_t k = 0; k < keywords; ++k) {
+    PyObject* key = PyTuple_GET_ITEM(call.kwnames, k);
+    PyObject* value = call.args[given + k];
+    if (PyUnicode_CompareWithASCIIString(key, "outputs") != 0 || !PyLong_CheckExact(value)) {
+      PyErr_Format(PyExc_TypeError, "%s takes one keyword, outputs (an int mask)", name);
+      return Taken::kError;
+    }
+    outputs = PyLong_AsUnsignedLongLongMask(value);
   }
   if (at::impl::torch_function_mode_enabled()) return Taken::kNotImplemented;
   Py_ssize_t i = 0;
-  const bool all = (take(PyTuple_GET_ITEM(args, i++), out) && ...);
+  const bool all = (take(call.args[i++], out) && ...);
   return all ? Taken::kAll : Taken::kNotImplemented;
 }
 
@@ -107,13 +128,27 @@ bool set_item(PyObject* tuple, Py_ssize_t i, PyObject* item) {
   return true;
 }
 
+// One result: a tensor (the mask does not apply), or a tuple whose items
+// outside `outputs` are None.
+template <class T>
+PyObject* wrap(const T& result, uint64_t /*outputs*/) {
+  return wrap(result);
+}
+
 template <class... T>
-PyObject* wrap(const std::tuple<T...>& result) {
+PyObject* wrap(const std::tuple<T...>& result, uint64_t outputs) {
   THPObjectPtr tuple(PyTuple_New(sizeof...(T)));
   if (!tuple) return nullptr;
   Py_ssize_t i = 0;
+  auto item_or_none = [&](const auto& item) -> PyObject* {
+    if ((outputs >> i) & 1) return wrap(item);
+    Py_INCREF(Py_None);
+    return Py_None;
+  };
   const bool ok = std::apply(
-      [&](const auto&... item) { return (set_item(tuple.get(), i++, wrap(item)) && ...); },
+      [&](const auto&... item) {
+        return ((set_item(tuple.get(), i, item_or_none(item)) && (++i, true)) && ...);
+      },
       result);
   return ok ? tuple.release() : nullptr;
 }
@@ -140,11 +175,12 @@ constexpr int64_t kKeepGilElements = int64_t(1) << 18;
 // taken from `args` (as the schema orders them), the GIL released while a
 // large call runs; NotImplemented where torch.ops should take the call.
 template <auto fn, class... A>
-PyObject* direct_call(PyObject* args, const char* name) {
+PyObject* direct_call(const CallArgs& args, const char* name) {
   HANDLE_TH_ERRORS
   std::tuple<A...> values;
+  uint64_t outputs = 0;
   const Taken taken =
-      std::apply([&](auto&... v) { return take_args(args, name, v...); }, values);
+      std::apply([&](auto&... v) { return take_args(args, name, outputs, v...); }, values);
   if (taken == Taken::kError) return nullptr;
   if (taken == Taken::kNotImplemented) Py_RETURN_NOTIMPLEMENTED;
   const int64_t work = std::apply([](const auto&... v) { return (elements(v) + ...); }, values);
@@ -155,7 +191,7 @@ PyObject* direct_call(PyObject* args, const char* name) {
     pybind11::gil_scoped_release no_gil;
     result = std::apply(fn, values);
   }
-  return wrap(result);
+  return wrap(result, outputs);
   END_HANDLE_TH_ERRORS
 }
 
@@ -163,37 +199,48 @@ using Tensors = std::vector<at::Tensor>;
 using OptTensor = std::optional<at::Tensor>;
 using OptDouble = std::optional<double>;
 
-// The ops' arguments, all positional, in the schemas' order.
-PyObject* depth_attention_fwd(PyObject* /*self*/, PyObject* args) {
+// The ops' arguments, positional, in the schemas' order (and `outputs`).
+PyObject* depth_attention_fwd(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs,
+                              PyObject* kwnames) {
   return direct_call<&attnres::depth_attention_fwd, Tensors, at::Tensor, OptTensor, double,
-                     double, OptTensor, OptDouble, bool, OptTensor>(args, "depth_attention_fwd");
+                     double, OptTensor, OptDouble, bool, OptTensor>({args, nargs, kwnames},
+                                                                   "depth_attention_fwd");
 }
 
-PyObject* block_reads_fwd(PyObject* /*self*/, PyObject* args) {
+PyObject* block_reads_fwd(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs,
+                          PyObject* kwnames) {
   return direct_call<&attnres::block_reads_fwd, Tensors, at::Tensor, OptTensor, double, double,
-                     OptTensor, OptDouble, bool>(args, "block_reads_fwd");
+                     OptTensor, OptDouble, bool>({args, nargs, kwnames}, "block_reads_fwd");
 }
 
-PyObject* block_read_merge_fwd(PyObject* /*self*/, PyObject* args) {
+PyObject* block_read_merge_fwd(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs,
+                               PyObject* kwnames) {
   return direct_call<&attnres::block_read_merge_fwd, at::Tensor, at::Tensor, at::Tensor,
                      at::Tensor, OptTensor, double, double, OptTensor, OptDouble, bool,
-                     OptTensor>(args, "block_read_merge_fwd");
+                     OptTensor>({args, nargs, kwnames}, "block_read_merge_fwd");
 }
 
-PyObject* block_read_merge_inplace(PyObject* /*self*/, PyObject* args) {
+PyObject* block_read_merge_inplace(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs,
+                                   PyObject* kwnames) {
   return direct_call<&attnres::block_read_merge_inplace, at::Tensor, at::Tensor, at::Tensor,
                      at::Tensor, OptTensor, double, double, OptTensor, OptDouble, OptTensor>(
-      args, "block_read_merge_inplace");
+      {args, nargs, kwnames}, "block_read_merge_inplace");
+}
+
+// A METH_FASTCALL | METH_KEYWORDS function as the method table stores it.
+template <PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t, PyObject*)>
+PyCFunction fastcall() {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
 }
 
 PyMethodDef methods[] = {
-    {"depth_attention_fwd", depth_attention_fwd, METH_VARARGS,
+    {"depth_attention_fwd", fastcall<depth_attention_fwd>(), METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.depth_attention_fwd's direct call, or NotImplemented"},
-    {"block_reads_fwd", block_reads_fwd, METH_VARARGS,
+    {"block_reads_fwd", fastcall<block_reads_fwd>(), METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.block_reads_fwd's direct call, or NotImplemented"},
-    {"block_read_merge_fwd", block_read_merge_fwd, METH_VARARGS,
+    {"block_read_merge_fwd", fastcall<block_read_merge_fwd>(), METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.block_read_merge_fwd's direct call, or NotImplemented"},
-    {"block_read_merge_inplace", block_read_merge_inplace, METH_VARARGS,
+    {"block_read_merge_inplace", fastcall<block_read_merge_inplace>(), METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.block_read_merge_inplace's direct call, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -442,14 +442,16 @@ def _as_eps(value, name: str) -> Optional[float]:
     return None if value is None else _as_float(value, name)
 
 
-def _call(name: str, *args):
+def _call(name: str, outputs: int, *args):
     """torch.ops.attnres.<name>(*args), through _C's direct call of the op
     where it takes the arguments as they are (plain tensors, no torch
     function mode; it returns NotImplemented otherwise), outside
     torch.compile: the op and the dispatcher are the same, without the
-    boxed call's argument parsing (about as long as a T = 1 read, §12)."""
+    boxed call's argument parsing (about as long as a T = 1 read, §12).
+    ``outputs``: a bit mask of the results the caller uses (bit i: result
+    i); the direct call returns None for the others."""
     if not torch.compiler.is_compiling():
-        result = getattr(_C, name)(*args)
+        result = getattr(_C, name)(*args, outputs=outputs)
         if result is not NotImplemented:
             return result
     return getattr(torch.ops.attnres, name)(*args)
@@ -513,8 +515,9 @@ def depth_attention(
         # With out_weight, h is kept for the backward by the op's autograd
         # when it records.
         out, _rstd, weights, _h, _out_rstd, new_sum = _call(
-            "depth_attention_fwd", sources, query, norm_weight, eps_f, scale_f, out_weight,
-            _as_eps(out_eps, "out_eps"), False, delta)
+            "depth_attention_fwd", 1 | (4 if return_weights else 0) | (0 if delta is None else 32),
+            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"),
+            False, delta)
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.
@@ -547,7 +550,7 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
     in the read, and ``(partial_out, block_sum + delta)`` is returned. No
     input may share memory with ``partial_out``. Raises when a gradient is
     wanted. CPU and CUDA."""
-    new_sum = _call("block_read_merge_inplace", partial_out, lse, block_sum, query, norm_weight,
+    new_sum = _call("block_read_merge_inplace", 1, partial_out, lse, block_sum, query, norm_weight,
                     _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
                     _as_eps(out_eps, "out_eps"), delta)
     return partial_out if delta is None else (partial_out, new_sum)
@@ -571,7 +574,7 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     # With out_weight, h_0 is kept for the backward by the op's autograd
     # when it records.
     partial_outs, lse, _rstd, _weights, _h, _out_rstd = _call(
-        "block_reads_fwd", list(sources), queries, norm_weights, _as_float(eps, "eps"),
+        "block_reads_fwd", 3, list(sources), queries, norm_weights, _as_float(eps, "eps"),
         _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), False)
     return list(partial_outs), lse
 
@@ -594,7 +597,7 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
     out, _rstd, _weight, _h, _out_rstd, new_sum = _call(
-        "block_read_merge_fwd", partial_out, lse, block_sum, query, norm_weight,
+        "block_read_merge_fwd", 1 if delta is None else 33, partial_out, lse, block_sum, query, norm_weight,
         _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"),
         False, delta)
     return out if delta is None else (out, new_sum)

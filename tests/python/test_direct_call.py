@@ -107,6 +107,34 @@ def test_what_torch_function_may_handle_goes_through_torch_ops(monkeypatch):
     torch.testing.assert_close(h_sub.as_subclass(torch.Tensor), h, rtol=0, atol=0)
 
 
+def test_outputs_mask_returns_the_asked_results_only():
+    """`outputs` (bit i: result i) leaves the others None; a tensor result
+    ignores it; anything but an int mask, or another keyword, is refused."""
+    src, q, w = problem()
+    delta = src[0].flip(0)
+    args = [src, q, w, 1e-6, 1.0, None, None, False, delta]
+    full = _C.depth_attention_fwd(*args)
+    for mask in (1, 1 | 4, 1 | 32, 63, 0):
+        got = _C.depth_attention_fwd(*args, outputs=mask)
+        assert len(got) == 6
+        for i, (a, b) in enumerate(zip(got, full)):
+            if (mask >> i) & 1:
+                assert torch.equal(a, b)
+            else:
+                assert a is None
+    parts = _C.block_reads_fwd(src, torch.stack([q, q]), None, 1e-6, 1.0, None, None, False,
+                               outputs=3)
+    assert isinstance(parts[0], list) and parts[1] is not None and parts[2:] == (None,) * 4
+    partial, lse, P = merge_args(src, q, w)
+    with torch.no_grad():
+        s1 = _C.block_read_merge_inplace(partial.clone(), lse, P, q, w, 1e-6, 1.0, None, None,
+                                         delta, outputs=0)
+    assert isinstance(s1, torch.Tensor)
+    for bad in ({"outputs": 1.0}, {"outputs": True}, {"wanted": 1}):
+        with pytest.raises(TypeError, match="takes one keyword, outputs"):
+            _C.depth_attention_fwd(*args, **bad)
+
+
 def test_errors_are_the_boxed_ops_errors():
     src, q, w = problem()
     bad = [
@@ -137,8 +165,8 @@ def test_compiled_calls_trace_the_op(monkeypatch):
         def __getattr__(self, name):
             fn = getattr(real, name)
 
-            def call(*a):
-                result = fn(*a)
+            def call(*a, **kw):
+                result = fn(*a, **kw)
                 assert result is not NotImplemented  # the wrapper's arguments are taken
                 direct_calls.append(name)
                 return result
