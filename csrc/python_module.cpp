@@ -5,10 +5,11 @@
 // block_read_merge_inplace). It calls the same op through the dispatcher
 // (autograd, vmap, fake tensors and every device kernel as usual) without
 // torch.ops' boxed argument parsing, which costs about as much as a T = 1
-// read itself (docs/design.md §12); a small call keeps the GIL. Arguments it does not take as they are
-// (a tensor subclass, a torch function mode: anything __torch_function__
-// may handle) make it return NotImplemented, and the caller goes through
-// torch.ops; so do calls under torch.compile (python/attnres/ops.py).
+// read itself (docs/design.md §12); a small call keeps the GIL. Arguments
+// it does not take as they are (a tensor subclass, a torch function mode:
+// anything __torch_function__ may handle) make it return NotImplemented,
+// and the caller goes through torch.ops; so do calls under torch.compile
+// (python/attnres/ops.py).
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
@@ -70,7 +71,8 @@ enum class Taken { kAll, kNotImplemented, kError };
 
 // A call's arguments (vectorcall): the op's, positional, in the schema's
 // order, and the keyword `outputs`, a bit mask of the results to return
-// (bit i: result i; the others come back as None, unwrapped: a caller that
+// (bit i: result i, the int taken modulo 2^64; the others come back as
+// None, unwrapped: a caller that
 // drops most of a read's outputs does not pay for their Python objects).
 struct CallArgs {
   PyObject* const* args;
@@ -167,9 +169,9 @@ int64_t elements(const T&) {
 }
 
 // Calls with at most this many elements keep the GIL: releasing and taking
-// it back costs ~0.45 us, a tenth of a decode-sized read (such a call runs
-// for microseconds); larger ones release it.
-constexpr int64_t kKeepGilElements = int64_t(1) << 18;
+// it back costs ~0.45 us, a tenth of a decode-sized read; such a call runs
+// for at most tens of microseconds on a CPU. Larger ones release it.
+constexpr int64_t kKeepGilElements = int64_t(1) << 16;
 
 // The direct call of one op: its C++ API function `fn` with the arguments
 // taken from `args` (as the schema orders them), the GIL released while a
@@ -240,7 +242,8 @@ PyMethodDef methods[] = {
      "torch.ops.attnres.block_reads_fwd's direct call, or NotImplemented"},
     {"block_read_merge_fwd", fastcall<block_read_merge_fwd>(), METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.block_read_merge_fwd's direct call, or NotImplemented"},
-    {"block_read_merge_inplace", fastcall<block_read_merge_inplace>(), METH_FASTCALL | METH_KEYWORDS,
+    {"block_read_merge_inplace", fastcall<block_read_merge_inplace>(),
+     METH_FASTCALL | METH_KEYWORDS,
      "torch.ops.attnres.block_read_merge_inplace's direct call, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -597,9 +597,9 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
     out, _rstd, _weight, _h, _out_rstd, new_sum = _call(
-        "block_read_merge_fwd", 1 if delta is None else 33, partial_out, lse, block_sum, query, norm_weight,
-        _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"),
-        False, delta)
+        "block_read_merge_fwd", 1 if delta is None else 33, partial_out, lse, block_sum, query,
+        norm_weight, _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
+        _as_eps(out_eps, "out_eps"), False, delta)
     return out if delta is None else (out, new_sum)
 
 

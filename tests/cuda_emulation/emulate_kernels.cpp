@@ -1301,7 +1301,7 @@ int main(int argc, char** argv) {
   };
   run(double{}, {prefix({3, 5, 8, 0, false, 2}), prefix({70, 3, 16, 0, false, 2}),
                  prefix(normed({2, 2, 1030, 0, false, 2})),
-                 prefix(range_case(3, 5, 8, {1e150, 1e-150, 1.0}))});
+                 prefix(range_case(3, 5, 8, {1e160, 1e-150, 1.0}))});
   run(float{}, {prefix({1, 4, 3, 0, false, 4}), prefix({7, 9, 64, 0, false, 2}),
                 prefix({5, 6, 1000, 0, false, 2}), prefix({3, 4, 2052, 0, false, 2}),
                 prefix({3, 4, 100, 1, false, 2}), prefix({3, 4, 64, 0, true, 2}),
