@@ -71,9 +71,9 @@ enum class Taken { kAll, kNotImplemented, kError };
 
 // A call's arguments (vectorcall): the op's, positional, in the schema's
 // order, and the keyword `outputs`, a bit mask of the results to return
-// (bit i: result i, the int taken modulo 2^64; the others come back as
-// None, unwrapped: a caller that
-// drops most of a read's outputs does not pay for their Python objects).
+// (bit i: result i, the int taken modulo 2^64). The others come back as
+// None, unwrapped: a caller that drops most of a read's results does not
+// pay for their Python objects.
 struct CallArgs {
   PyObject* const* args;
   Py_ssize_t nargs;
@@ -142,16 +142,16 @@ PyObject* wrap(const std::tuple<T...>& result, uint64_t outputs) {
   THPObjectPtr tuple(PyTuple_New(sizeof...(T)));
   if (!tuple) return nullptr;
   Py_ssize_t i = 0;
-  auto item_or_none = [&](const auto& item) -> PyObject* {
-    if ((outputs >> i) & 1) return wrap(item);
-    Py_INCREF(Py_None);
-    return Py_None;
+  const auto put = [&](const auto& item) {
+    PyObject* obj = Py_None;
+    if ((outputs >> i) & 1) {
+      obj = wrap(item);
+    } else {
+      Py_INCREF(obj);
+    }
+    return set_item(tuple.get(), i++, obj);
   };
-  const bool ok = std::apply(
-      [&](const auto&... item) {
-        return ((set_item(tuple.get(), i, item_or_none(item)) && (++i, true)) && ...);
-      },
-      result);
+  const bool ok = std::apply([&](const auto&... item) { return (put(item) && ...); }, result);
   return ok ? tuple.release() : nullptr;
 }
 

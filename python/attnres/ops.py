@@ -514,6 +514,7 @@ def depth_attention(
     try:
         # With out_weight, h is kept for the backward by the op's autograd
         # when it records.
+        # outputs: results 0 (out), 2 (weights) and 5 (P') as used.
         out, _rstd, weights, _h, _out_rstd, new_sum = _call(
             "depth_attention_fwd", 1 | (4 if return_weights else 0) | (0 if delta is None else 32),
             sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"),
@@ -574,8 +575,9 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     # With out_weight, h_0 is kept for the backward by the op's autograd
     # when it records.
     partial_outs, lse, _rstd, _weights, _h, _out_rstd = _call(
-        "block_reads_fwd", 3, list(sources), queries, norm_weights, _as_float(eps, "eps"),
-        _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"), False)
+        "block_reads_fwd", 3, list(sources), queries, norm_weights,  # results 0 and 1
+        _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"),
+        False)
     return list(partial_outs), lse
 
 
@@ -596,7 +598,7 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     ``block_sum`` and ``delta``. Differentiable on CPU and CUDA."""
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
-    out, _rstd, _weight, _h, _out_rstd, new_sum = _call(
+    out, _rstd, _weight, _h, _out_rstd, new_sum = _call(  # results 0 (out) and 5 (P')
         "block_read_merge_fwd", 1 if delta is None else 33, partial_out, lse, block_sum, query,
         norm_weight, _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
         _as_eps(out_eps, "out_eps"), False, delta)
