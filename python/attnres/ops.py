@@ -437,9 +437,17 @@ def _as_float(value, name: str) -> float:
     return float(value)
 
 
-def _as_eps(value, name: str) -> Optional[float]:
-    """out_eps as the op's ``float?``: None follows eps."""
-    return None if value is None else _as_float(value, name)
+def _as_floats(eps, scale, out_eps) -> tuple:
+    """eps, scale and out_eps (the op's ``float?``: None follows eps) as the
+    op's floats; one test in the common case (a decode-sized read is
+    host-bound)."""
+    if type(eps) is float and type(scale) is float and (out_eps is None or type(out_eps) is float):
+        return eps, scale, out_eps
+    return (_as_float(eps, "eps"), _as_float(scale, "scale"),
+            None if out_eps is None else _as_float(out_eps, "out_eps"))
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def _call(name: str, outputs: int, *args):
@@ -450,7 +458,7 @@ def _call(name: str, outputs: int, *args):
     boxed call's argument parsing (about as long as a T = 1 read, §12).
     ``outputs``: a bit mask of the results the caller uses (bit i: result
     i); the direct call returns None for the others."""
-    if not torch.compiler.is_compiling():
+    if not _is_compiling():
         result = getattr(_C, name)(*args, outputs=outputs)
         if result is not NotImplemented:
             return result
@@ -501,33 +509,31 @@ def depth_attention(
     returned last (``(out, P')`` or ``(out, weights, P')``), and its gradient
     reaches P and ``delta``.
     """
-    if isinstance(sources, torch.Tensor):
-        if sources.dim() < 2:
-            raise ValueError(
-                f"a stacked sources tensor must have shape [N, ..., D], got {list(sources.shape)}"
-            )
-        sources = sources.unbind(0)
     if type(sources) is not list:
+        if isinstance(sources, torch.Tensor):
+            if sources.dim() < 2:
+                raise ValueError("a stacked sources tensor must have shape [N, ..., D], got "
+                                 f"{list(sources.shape)}")
+            sources = sources.unbind(0)
         sources = list(sources)
-    eps_f, scale_f = _as_float(eps, "eps"), _as_float(scale, "scale")
+    eps, scale, out_eps = _as_floats(eps, scale, out_eps)
     # The op checks everything else, once, in C++.
     try:
         # With out_weight, h is kept for the backward by the op's autograd
-        # when it records.
-        # outputs: results 0 (out), 2 (weights) and 5 (P') as used.
-        out, _rstd, weights, _h, _out_rstd, new_sum = _call(
-            "depth_attention_fwd", 1 | (4 if return_weights else 0) | (0 if delta is None else 32),
-            sources, query, norm_weight, eps_f, scale_f, out_weight, _as_eps(out_eps, "out_eps"),
-            False, delta)
+        # when it records. outputs: results 0 (out), 2 (weights) and 5 (P')
+        # as used.
+        result = _call("depth_attention_fwd",
+                       1 | (4 if return_weights else 0) | (0 if delta is None else 32),
+                       sources, query, norm_weight, eps, scale, out_weight, out_eps, False, delta)
     except NotImplementedError:
         # No kernel for this kind of tensor (sparse, jagged nested, another
         # subclass): name the argument. Only on this failure path.
         _explain_not_implemented(sources, query, norm_weight, out_weight, delta)
         raise
     if return_weights:
-        weights = weights.to(torch.float32)
-        return (out, weights) if delta is None else (out, weights, new_sum)
-    return out if delta is None else (out, new_sum)
+        weights = result[2].to(torch.float32)
+        return (result[0], weights) if delta is None else (result[0], weights, result[5])
+    return result[0] if delta is None else (result[0], result[5])
 
 
 # ---- two-phase Block reads (docs/design.md §10) ------------------------------
@@ -551,9 +557,9 @@ def block_read_merge_inplace(partial_out: torch.Tensor, lse: torch.Tensor,
     in the read, and ``(partial_out, block_sum + delta)`` is returned. No
     input may share memory with ``partial_out``. Raises when a gradient is
     wanted. CPU and CUDA."""
+    eps, scale, out_eps = _as_floats(eps, scale, out_eps)
     new_sum = _call("block_read_merge_inplace", 1, partial_out, lse, block_sum, query, norm_weight,
-                    _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
-                    _as_eps(out_eps, "out_eps"), delta)
+                    eps, scale, out_weight, out_eps, delta)
     return partial_out if delta is None else (partial_out, new_sum)
 
 
@@ -574,10 +580,10 @@ def block_reads(sources: Sequence[torch.Tensor], queries: torch.Tensor,
     Differentiable on CPU and CUDA."""
     # With out_weight, h_0 is kept for the backward by the op's autograd
     # when it records.
+    eps, scale, out_eps = _as_floats(eps, scale, out_eps)
     partial_outs, lse, _rstd, _weights, _h, _out_rstd = _call(
         "block_reads_fwd", 3, list(sources), queries, norm_weights,  # results 0 and 1
-        _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight, _as_eps(out_eps, "out_eps"),
-        False)
+        eps, scale, out_weight, out_eps, False)
     return list(partial_outs), lse
 
 
@@ -598,11 +604,11 @@ def block_read_merge(partial_out: torch.Tensor, lse: torch.Tensor, block_sum: to
     ``block_sum`` and ``delta``. Differentiable on CPU and CUDA."""
     # With out_weight, h is kept for the backward by the op's autograd when
     # it records.
-    out, _rstd, _weight, _h, _out_rstd, new_sum = _call(  # results 0 (out) and 5 (P')
-        "block_read_merge_fwd", 1 if delta is None else 33, partial_out, lse, block_sum, query,
-        norm_weight, _as_float(eps, "eps"), _as_float(scale, "scale"), out_weight,
-        _as_eps(out_eps, "out_eps"), False, delta)
-    return out if delta is None else (out, new_sum)
+    eps, scale, out_eps = _as_floats(eps, scale, out_eps)
+    result = _call("block_read_merge_fwd", 1 if delta is None else 33,  # out and P'
+                   partial_out, lse, block_sum, query, norm_weight, eps, scale, out_weight, out_eps,
+                   False, delta)
+    return result[0] if delta is None else (result[0], result[5])
 
 
 # --------------------------------------------------------------------------- CPU gradient cache
