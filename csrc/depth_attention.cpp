@@ -12,6 +12,17 @@
 
 namespace attnres {
 
+namespace {
+
+// A CPU parameter already in the accumulation dtype (the common case): the
+// per-call parameter math runs as one loop, with the same roundings, without
+// an elementwise op's host cost (a decode-sized read is host-bound).
+bool plain_cpu(const at::Tensor& t, at::ScalarType acc) {
+  return t.is_cpu() && t.scalar_type() == acc && t.is_contiguous() && !t.is_neg();
+}
+
+}  // namespace
+
 // u = scale * query * gain in the accumulation dtype: the only form of query
 // and gain the kernels use.
 at::Tensor effective_query(const at::Tensor& query,
@@ -21,12 +32,7 @@ at::Tensor effective_query(const at::Tensor& query,
   // bound our error by eager's), in one op in the common case (a gain,
   // scale 1) and none without a gain: a decode-sized read is host-bound.
   const bool has_gain = norm_weight.has_value() && norm_weight->defined();
-  // CPU parameters already in the accumulation dtype (the common case): one
-  // loop, the same two roundings, without an elementwise op's host cost.
-  auto plain_cpu = [acc](const at::Tensor& t) {
-    return t.is_cpu() && t.scalar_type() == acc && t.is_contiguous() && !t.is_neg();
-  };
-  if (plain_cpu(query) && (!has_gain || plain_cpu(*norm_weight))) {
+  if (plain_cpu(query, acc) && (!has_gain || plain_cpu(*norm_weight, acc))) {
     at::Tensor u = at::empty(query.sizes(), query.options());
     AT_DISPATCH_FLOATING_TYPES(acc, "attnres_effective_query", [&] {
       const scalar_t* q = query.const_data_ptr<scalar_t>();
@@ -66,6 +72,23 @@ std::pair<at::Tensor, at::Tensor> parameter_grads(
   if (scale == 0.0) {
     grad_query = at::zeros_like(z);
     grad_gain = at::zeros_like(z);
+  } else if (plain_cpu(z, acc) && plain_cpu(query, acc) && query.sizes() == z.sizes() &&
+             (!has_gain || (plain_cpu(*norm_weight, acc) && norm_weight->sizes() == z.sizes()))) {
+    // The ops' roundings below, z * (gain * scale) and z * (query * scale).
+    grad_query = at::empty_like(z);
+    grad_gain = at::empty_like(z);
+    AT_DISPATCH_FLOATING_TYPES(acc, "attnres_parameter_grads", [&] {
+      const scalar_t* zs = z.const_data_ptr<scalar_t>();
+      const scalar_t* q = query.const_data_ptr<scalar_t>();
+      const scalar_t* g = has_gain ? norm_weight->const_data_ptr<scalar_t>() : nullptr;
+      const scalar_t s = static_cast<scalar_t>(scale);
+      scalar_t* dq = grad_query.data_ptr<scalar_t>();
+      scalar_t* dg = grad_gain.data_ptr<scalar_t>();
+      for (int64_t i = 0, n = z.numel(); i < n; ++i) {
+        dq[i] = zs[i] * (g ? g[i] * s : s);
+        dg[i] = zs[i] * (q[i] * s);
+      }
+    });
   } else {
     grad_query = has_gain ? z.mul(norm_weight->to(acc).mul(scale)) : z.mul(scale);
     grad_gain = z.mul(query.to(acc).mul(scale));

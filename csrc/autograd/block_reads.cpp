@@ -80,7 +80,7 @@ class BlockReadsFunction : public torch::autograd::Function<BlockReadsFunction> 
       }
     }
     const variable_list computed = expand_masked(
-        BackwardNode<BlockReadsBwdOp>::apply(
+        BackwardNode<BlockReadsBwdOp>::run(
             at::TensorList(grad_partials), defined_or_none(grad_lse), at::TensorList(sources),
             queries, defined_or_none(saved[n + 1]), saved[n + 4], saved[n + 5],
             ctx->saved_data["scale"].toDouble(), mask, defined_or_none(out_weight),
@@ -153,11 +153,11 @@ class MergeFunction : public torch::autograd::Function<MergeFunction> {
       return result;
     }
     const variable_list computed = expand_masked(
-        BackwardNode<MergeBwdOp>::apply(grads[0], saved[0], saved[1], saved[2],
-                                        defined_or_none(saved[3]), saved[6], saved[7],
-                                        ctx->saved_data["scale"].toDouble(), mask,
-                                        defined_or_none(saved[4]), defined_or_none(saved[5]),
-                                        defined_or_none(saved[8]), defined_or_none(grad_sum)),
+        BackwardNode<MergeBwdOp>::run(grads[0], saved[0], saved[1], saved[2],
+                                      defined_or_none(saved[3]), saved[6], saved[7],
+                                      ctx->saved_data["scale"].toDouble(), mask,
+                                      defined_or_none(saved[4]), defined_or_none(saved[5]),
+                                      defined_or_none(saved[8]), defined_or_none(grad_sum)),
         mask);
     for (size_t i = 0; i < 5; ++i) result[i] = computed[i];
     if (!want_sum) result[2] = at::Tensor();

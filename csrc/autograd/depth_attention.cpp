@@ -99,7 +99,7 @@ class DepthAttentionFunction : public torch::autograd::Function<DepthAttentionFu
       return result;
     }
     const variable_list computed = expand_masked(
-        BackwardNode<DepthAttentionBwdOp>::apply(
+        BackwardNode<DepthAttentionBwdOp>::run(
             defined_or_none(grad_out), defined_or_none(grad_weights), at::TensorList(sources),
             saved[n], defined_or_none(saved[n + 1]), saved[n + 3], saved[n + 4], saved[n + 5],
             ctx->saved_data["scale"].toDouble(), mask, defined_or_none(out_weight),

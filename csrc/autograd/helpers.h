@@ -154,6 +154,17 @@ class BackwardNode : public torch::autograd::Function<BackwardNode<Op>> {
                                                  torch::autograd::variable_list) {
     no_double_backward(Op::what);
   }
+  // The call from a first derivative's backward: the op alone when grad
+  // mode is off (a backward without create_graph, the usual case: no node
+  // to build and drop, a decode-sized backward being host-bound), else
+  // through this node, so that a second derivative raises.
+  template <class... Args>
+  static torch::autograd::variable_list run(Args&&... args) {
+    if (!at::GradMode::is_enabled()) {
+      return defined_of(call_below_autograd<Op>(std::forward<Args>(args)...));
+    }
+    return BackwardNode::apply(std::forward<Args>(args)...);
+  }
 };
 
 // The wanted gradients of a backward op's call, back in its result's form:

@@ -213,6 +213,29 @@ def test_second_derivatives_raise_a_clear_error():
         torch.autograd.functional.hessian(lambda qq: attnres.depth_attention(srcs, qq, g).sum(), q)
 
 
+def test_block_reads_second_derivatives_raise_and_first_ones_need_no_graph():
+    """Phase 1's and the merge's gradients: differentiating them again raises
+    (create_graph=True records the refusing node); a plain backward builds
+    no graph (the backward op runs alone) and gives the same first
+    derivatives."""
+    gen = torch.Generator().manual_seed(11)
+    srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
+    qs = torch.randn(2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    partials, lse = attnres.block_reads(srcs, qs)
+    P = torch.randn(2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    h = attnres.block_read_merge(partials[1], lse[1], P, qs[1])
+    loss = partials[0].pow(2).sum() + h.pow(2).sum()
+    plain = torch.autograd.grad(loss, [qs, P], retain_graph=True)
+    assert all(g.grad_fn is None for g in plain)
+    grad_q, grad_p = torch.autograd.grad(loss, [qs, P], create_graph=True)
+    torch.testing.assert_close(grad_q, plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(grad_p, plain[1], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="second derivatives of block_read_merge"):
+        torch.autograd.grad(grad_p.sum(), P, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives of block_reads"):
+        torch.autograd.grad(grad_q[0].sum(), qs)
+
+
 def test_backward_with_create_graph_still_gives_first_derivatives():
     """create_graph=True alone (as torch.compile and gradient-penalty code
     paths do) is fine; only differentiating the gradient again raises."""
