@@ -130,8 +130,8 @@ void DepthStream::check_block_storage() {
 void DepthStream::check_storage_current() const {
   TORCH_CHECK_VALUE(writes_seen_ == *storage_writes_,
                     "DepthStream: another stream sharing this stream's block_storage (a clone) "
-                    "has appended since, so its rows no longer hold this stream's sums; only one "
-                    "of the streams sharing block storage may go on");
+                    "has written a block into the rows since, so they no longer hold this "
+                    "stream's sums; only one of the streams sharing block storage may go on");
 }
 
 const at::Tensor& DepthStream::storage_row(const at::Tensor& f) const {
@@ -236,18 +236,14 @@ void DepthStream::append(const at::Tensor& output) {
     completed_.push_back(std::move(f));
     return;
   }
-  if (!rows_.empty()) {
-    const at::Tensor& row = storage_row(f);
-    if (partial_.defined()) {
-      row.add_(f);  // rounded once, as partial + f
-    } else {
-      row.copy_(f);
-    }
-    partial_ = row;
-    writes_seen_ = ++*storage_writes_;
-  } else if (!partial_.defined()) {
-    partial_ = f;
-  } else if (in_partial_ + 1 < *block_size_) {
+  // With block storage a block's sum is written into its row when the block
+  // completes; the outputs before are held as without storage (the reads
+  // fuse their adds, §12).
+  const at::Tensor* row = rows_.empty() ? nullptr : &storage_row(f);
+  const bool completes = in_partial_ + 1 == *block_size_;
+  if (!partial_.defined()) {
+    partial_ = row && completes ? row->copy_(f) : f;
+  } else if (!completes) {
     // A later read of this block may add f in its merge (§12).
     settle();
     pending_ = std::move(f);
@@ -255,8 +251,14 @@ void DepthStream::append(const at::Tensor& output) {
     pending_inference_ = c10::InferenceMode::is_enabled();
   } else {
     settle();
-    partial_ = partial_ + f;  // out of place: autograd sees each step
+    if (row) {
+      at::Tensor out = *row;
+      partial_ = at::add_out(out, partial_, f);
+    } else {
+      partial_ = partial_ + f;  // out of place: autograd sees each step
+    }
   }
+  if (row && completes) writes_seen_ = ++*storage_writes_;
   ++num_outputs_;
   if (++in_partial_ == *block_size_) {
     completed_.push_back(partial_);

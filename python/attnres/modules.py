@@ -122,16 +122,16 @@ class DepthStream:
 
     ``block_storage`` (Block streams, for inference and CUDA graphs): a
     preallocated contiguous tensor ``[R, *embedding.shape]`` in the stream's
-    dtype and device. Block ``k``'s sum is then built in row ``k`` in place
-    (its first output copied in, the others added), so completed blocks and
-    partial sums allocate nothing, and the reads take the rows as views.
-    Appends then add at once (no fused prefix add: that writes a new P'),
-    and an output that needs a gradient, or a read with parameters that
-    need one, under grad mode is refused (in-place writes to one buffer
-    would invalidate the views a backward saves). A clone shares the rows:
-    once one of the streams sharing them appends, the others refuse to read
-    or append. R must cover every block the stream
-    starts: ``ceil(outputs / block_size)``.
+    dtype and device. Block ``k``'s sum is then written into row ``k`` when
+    the block completes (its last output added to the partial sum there), so
+    completed blocks allocate nothing and the reads take the rows as views;
+    the outputs before are added inside the reads as without storage (the
+    fused prefix add). An output that needs a gradient, or a read with
+    parameters that need one, under grad mode is refused (in-place writes
+    to one buffer would invalidate the views a backward saves). A clone
+    shares the rows: once one of the streams sharing them writes a block,
+    the others refuse to read or append. R must cover every block the
+    stream starts: ``ceil(outputs / block_size)``.
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: Optional[int] = None, *,
@@ -263,8 +263,8 @@ class DepthStream:
         if self._writes_seen != self._storage_writes[0]:
             raise ValueError(
                 "DepthStream: another stream sharing this stream's block_storage (a clone) has "
-                "appended since, so its rows no longer hold this stream's sums; only one of the "
-                "streams sharing block storage may go on"
+                "written a block into the rows since, so they no longer hold this stream's sums; "
+                "only one of the streams sharing block storage may go on"
             )
 
     def _storage_row(self, f: torch.Tensor) -> torch.Tensor:
@@ -360,25 +360,25 @@ class DepthStream:
             self.num_outputs += 1
             self._completed.append(f)
             return
-        if self._rows is not None:
-            row = self._storage_row(f)
-            if self._partial is None:
-                row.copy_(f)
-            else:
-                row.add_(f)  # rounded once, as partial + f
-            self._partial = row
-            self._storage_writes[0] += 1
-            self._writes_seen = self._storage_writes[0]
-        elif self._partial is None:
-            self._partial = f
-        elif self._in_partial + 1 < self.block_size:
+        # With block storage a block's sum is written into its row when the
+        # block completes; the outputs before are held as without storage
+        # (the reads fuse their adds, §12).
+        row = None if self._rows is None else self._storage_row(f)
+        completes = self._in_partial + 1 == self.block_size
+        if self._partial is None:
+            self._partial = f if row is None or not completes else row.copy_(f)
+        elif not completes:
             # A later read of this block may add f in its merge (§12).
             self._settle()
             self._pending = f
             self._pending_mode = _modes()
         else:
             self._settle()
-            self._partial = self._partial + f
+            self._partial = (self._partial + f if row is None
+                             else torch.add(self._partial, f, out=row))
+        if row is not None and completes:
+            self._storage_writes[0] += 1
+            self._writes_seen = self._storage_writes[0]
         self.num_outputs += 1
         self._in_partial += 1
         if self._in_partial == self.block_size:

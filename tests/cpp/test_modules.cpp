@@ -1062,9 +1062,9 @@ TEST(TwoPhaseBlockReads, FromSourcesRebuildsAStreamMidBlock) {
       "a Full stream");
 }
 
-// block_storage: the block sums built in the rows of one buffer give every
-// read of a stream without storage bit for bit, in each read mode, and the
-// sources are the rows themselves.
+// block_storage: the block sums written into the rows of one buffer give
+// every read of a stream without storage bit for bit, in each read mode, and
+// the completed blocks' sources are the rows themselves.
 TEST(BlockStorage, ReadsEqualAStreamWithoutStorageAndSourcesAreTheRows) {
   at::manual_seed(15);
   TinyNet net(3);
@@ -1087,17 +1087,21 @@ TEST(BlockStorage, ReadsEqualAStreamWithoutStorageAndSourcesAreTheRows) {
         const at::Tensor f = net->sublayer(l, want);
         plain.append(f);
         stored.append(f);
+        // A block's row is written once, when the block completes.
+        EXPECT_EQ(storage[l / 3].isnan().all().item<bool>(), (l + 1) % 3 != 0) << "output " << l;
       }
       const Tensors sources = stored.sources();
       ASSERT_EQ(sources.size(), 4u);  // the embedding, two blocks, a partial sum of one
-      for (size_t k = 1; k < sources.size(); ++k) {
+      for (size_t k = 1; k < 3; ++k) {
         EXPECT_EQ(sources[k].data_ptr(), storage[k - 1].data_ptr()) << "source " << k;
       }
+      // The block in progress is not written into its row.
+      EXPECT_TRUE(storage[2].isnan().all().item<bool>());
     }
   }
 }
 
-// Copies share the rows: once one appends, the other refuses to go on.
+// Copies share the rows: once one writes a block, the other refuses to go on.
 TEST(BlockStorage, CopiesShareTheRowsAndOnlyOneMayGoOn) {
   torch::NoGradGuard no_grad;
   attnres::AttnResResidual read(kD);
@@ -1108,7 +1112,7 @@ TEST(BlockStorage, CopiesShareTheRowsAndOnlyOneMayGoOn) {
   copy.append(at::randn({3, kD}));
   read(copy);
   const std::string words = "another stream sharing this stream's block_storage (a clone) has "
-                            "appended since";
+                            "written a block into the rows since";
   expect_error<c10::ValueError>([&] { stream.sources(); }, words);
   expect_error<c10::ValueError>([&] { read(stream); }, words);
   expect_error<c10::ValueError>([&] { stream.append(at::randn({3, kD})); }, words);

@@ -162,13 +162,14 @@ TORCH_MODULE(AttnResResidual);
 // (a const read may add or consume the deferred output).
 // block_storage (Block streams, for inference and CUDA graphs): a
 // preallocated contiguous tensor [R, embedding's shape...] in the stream's
-// dtype and device. Block k's sum is then built in row k in place (its first
-// output copied in, the others added), so completed blocks and partial sums
-// allocate nothing and the reads take the rows as views. Appends then add at
-// once (no fused prefix add: that writes a new P'), and an output that
-// requires grad under grad mode is refused. Copies share the rows: once one
-// of the streams sharing them appends, the others refuse to read or append.
-// R must cover every block the stream starts.
+// dtype and device. Block k's sum is then written into row k when the block
+// completes (its last output added to the partial sum there), so completed
+// blocks allocate nothing and the reads take the rows as views; the outputs
+// before are added inside the reads as without storage (the fused prefix
+// add). An output that requires grad under grad mode is refused. Copies
+// share the rows: once one of the streams sharing them writes a block, the
+// others refuse to read or append. R must cover every block the stream
+// starts.
 //
 // A DepthStream is a small value: copying it (or clone()) shares the tensors
 // and copies the lists, so appending to the copy leaves the original as it is
@@ -233,7 +234,7 @@ class DepthStream {
  private:
   at::Tensor checked_output(const at::Tensor& f, const char* where = "append") const;
   void check_block_storage();
-  // The block_storage row that f is added into, or the reason it cannot be.
+  // The block_storage row of f's block, or the reason f cannot be appended.
   const at::Tensor& storage_row(const at::Tensor& f) const;
   // Throws when another stream sharing the rows has appended since this one.
   void check_storage_current() const;
@@ -264,7 +265,7 @@ class DepthStream {
   std::shared_ptr<detail::BlockReadState> reads_;
   at::Tensor block_storage_;
   std::vector<at::Tensor> rows_;  // row k holds block k's sum (empty: no storage)
-  // Appends made to the rows by all the streams sharing them, and by this one's count.
+  // Blocks written into the rows by all the streams sharing them, and by this one's count.
   std::shared_ptr<int64_t> storage_writes_ = std::make_shared<int64_t>(0);
   int64_t writes_seen_ = 0;
 };
