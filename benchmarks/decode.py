@@ -10,7 +10,7 @@ and then decodes one token per forward; the timed runs decode the same
 tokens again after the prompt (its cache entries kept), each step a whole
 forward with the cache that gives the new token's logits. Variants: the standard
 residual, Block AttnRes, Block AttnRes with block_storage (the stream's block
-sums built in one preallocated buffer), and on CUDA each of them captured
+sums written into one preallocated buffer), and on CUDA each of them captured
 once in a CUDA graph and replayed. Before timing, every variant's logits for
 the decoded tokens are checked against one forward over the whole sequence
 (the replays too): a variant that disagrees is reported and the script exits

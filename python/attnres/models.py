@@ -288,9 +288,9 @@ class GPT(nn.Module):
 
         ``kv_cache`` (decoding): ``idx`` holds the next tokens after the
         cache's ``pos``; their keys and values join the cache and ``pos``
-        advances. ``block_storage`` (Block, inference): the stream's block
-        sums are built in place in its rows (DepthStream's block_storage;
-        shape ``[cfg.num_blocks, B, T, d_model]``)."""
+        advances. ``block_storage`` (Block, inference): the stream's
+        completed block sums are written into its rows (DepthStream's
+        block_storage; shape ``[cfg.num_blocks, B, T, d_model]``)."""
         positions = None if kv_cache is None else kv_cache.positions(idx.shape[1])
         x = self.embed(idx, positions)
         weights: Optional[List[torch.Tensor]] = None
