@@ -46,6 +46,14 @@ bool rings_allowed() {
   return allowed;
 }
 
+// ATTNRES_CUDA_FEW_TOKENS (parse_few_tokens_switch, plan.h), read once:
+// whether the forward takes the few-token kernels where planned (unset or
+// "1", the default) or never ("0").
+bool few_tokens_allowed() {
+  static const bool allowed = parse_few_tokens_switch(std::getenv("ATTNRES_CUDA_FEW_TOKENS"));
+  return allowed;
+}
+
 void check_width_supported(const DepthProblem& p) {
   TORCH_CHECK_VALUE(p.D <= kMaxD, "sources have D = ", p.D,
                     " but the CUDA kernels of attnres support D <= ", kMaxD);
@@ -70,13 +78,22 @@ void forward(const ForwardCall& call) {
                                          delta->row_stride,
                                          call.prefix->sum.const_data_ptr<scalar_t>(), p.T, p.D);
         }
-        // The cp.async ring when a token's rows fit its stages (plan_forward)
-        // and rings are allowed (ATTNRES_CUDA_RING): a grid of a few waves of
-        // the ring kernel's resident CTAs, each looping over token blocks;
-        // else (or when the ring kernel cannot be resident: occupancy 0) the
-        // register pipeline, one CTA per token block.
+        // Few tokens (plan_few_tokens, ATTNRES_CUDA_FEW_TOKENS): each token's
+        // row split across CTAs, their partial sums in scratch.
+        const FewTokensPlan few =
+            few_tokens_allowed()
+                ? plan_few_tokens(p.T, p.N, p.D, src.layout.vector_aligned,
+                                  natural_vec<scalar_t>(), props->multiProcessorCount)
+                : FewTokensPlan{};
+        // Else the cp.async ring when a token's rows fit its stages
+        // (plan_forward) and rings are allowed (ATTNRES_CUDA_RING): a grid of
+        // a few waves of the ring kernel's resident CTAs, each looping over
+        // token blocks; else (or when the ring kernel cannot be resident:
+        // occupancy 0) the register pipeline, one CTA per token block.
         const int64_t optin = static_cast<int64_t>(props->sharedMemPerBlockOptin);
-        ForwardPlan plan = forward_plan<scalar_t>(src.layout, p.N, p.D, optin, rings_allowed());
+        ForwardPlan plan = few.splits > 0 ? ForwardPlan{}
+                                          : forward_plan<scalar_t>(src.layout, p.N, p.D, optin,
+                                                                   rings_allowed());
         int64_t grid_cap = kMaxGrid;
         if (plan.ring_stages > 0) {
           const int blocks_per_sm = forward_ring_blocks_per_sm<scalar_t>(
@@ -93,10 +110,18 @@ void forward(const ForwardCall& call) {
             call.out.data_ptr<scalar_t>(), call.rstd.data_ptr<acc_t>(),
             call.weights.data_ptr<acc_t>(), p.T, p.N, p.D, static_cast<acc_t>(call.eps),
             grid_cap);
+        at::Tensor few_scratch;
+        if (few.splits > 0) {
+          few_scratch = at::empty(
+              {few_tokens_scratch_elems(few, p.T, p.N, call.out_norm != nullptr)},
+              call.u.options());
+          set_few_tokens<scalar_t>(launch, few, few_scratch.data_ptr<acc_t>());
+        }
         at::Tensor norm_weight;
         if (const OutNormForward* norm = call.out_norm) {
-          // The epilogue normalizes h in registers: out gets (h r) * w,
-          // norm->h (when kept) h itself (docs/design.md §7).
+          // The epilogue normalizes h in registers (few tokens: the norm
+          // kernel): out gets (h r) * w, norm->h (when kept) h itself
+          // (docs/design.md §7).
           norm_weight = pack_aligned(norm->weight);
           set_forward_norm<scalar_t>(
               launch.params, norm_weight.const_data_ptr<acc_t>(), norm->rstd.data_ptr<acc_t>(),
@@ -107,7 +132,11 @@ void forward(const ForwardCall& call) {
           set_forward_prefix<scalar_t>(launch.params, delta->tensor.const_data_ptr<scalar_t>(),
                                        delta->row_stride, call.prefix->sum.data_ptr<scalar_t>());
         }
-        launch_forward<scalar_t>(launch.params, launch.config, stream);
+        if (few.splits > 0) {
+          launch_few_tokens<scalar_t>(launch.params, launch.config, stream);
+        } else {
+          launch_forward<scalar_t>(launch.params, launch.config, stream);
+        }
       });
 }
 

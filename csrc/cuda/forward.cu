@@ -1,5 +1,7 @@
 // Launcher of the forward kernel for every compiled tile, group class and
-// dtype (the register pipeline, and the cp.async ring where the tile has one).
+// dtype (the register pipeline, and the cp.async ring where the tile has one),
+// and of the few-token kernels.
+#include "few_tokens.cuh"
 #include "kernels.cuh"
 #include "launch_kernel.cuh"
 
@@ -41,6 +43,29 @@ void launch_forward(const ForwardParams<scalar_t>& params, const LaunchConfig& c
 }
 
 template <typename scalar_t>
+void launch_few_tokens(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
+                       cudaStream_t stream) {
+  auto launch = [&](auto vec) {
+    constexpr int VEC = decltype(vec)::value;
+    const auto grid = static_cast<unsigned>(config.grid);
+    const auto threads = static_cast<unsigned>(config.tile.group);
+    few_tokens_partials_kernel<scalar_t, VEC><<<grid, threads, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    few_tokens_finish_kernel<scalar_t, VEC><<<grid, threads, config.smem_bytes, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (params.norm_weight != nullptr) {
+      few_tokens_norm_kernel<scalar_t, VEC><<<grid, threads, 0, stream>>>(params);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  };
+  if (config.tile.vec == 1) {
+    launch(std::integral_constant<int, 1>{});
+  } else {
+    launch(std::integral_constant<int, natural_vec<scalar_t>()>{});
+  }
+}
+
+template <typename scalar_t>
 int forward_ring_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool normed) {
   int blocks = 0;
   with_tile<scalar_t, kMaxElemsPerThread>(tile, [&](auto vec, auto vpt, auto group) {
@@ -50,9 +75,11 @@ int forward_ring_blocks_per_sm(const TileConfig& tile, size_t smem_bytes, bool n
   return blocks;
 }
 
-#define ATTNRES_INSTANTIATE_FORWARD(T)                                         \
-  template void launch_forward<T>(const ForwardParams<T>&, const LaunchConfig&, \
-                                  cudaStream_t);                                \
+#define ATTNRES_INSTANTIATE_FORWARD(T)                                            \
+  template void launch_forward<T>(const ForwardParams<T>&, const LaunchConfig&,    \
+                                  cudaStream_t);                                   \
+  template void launch_few_tokens<T>(const ForwardParams<T>&, const LaunchConfig&, \
+                                     cudaStream_t);                                \
   template int forward_ring_blocks_per_sm<T>(const TileConfig&, size_t, bool);
 
 ATTNRES_INSTANTIATE_FORWARD(double)

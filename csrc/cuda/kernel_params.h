@@ -108,6 +108,26 @@ KernelLaunch<ForwardParams<scalar_t>> forward_launch(
   return launch;
 }
 
+// The few-token path (plan_few_tokens) of a forward launch: one CTA of
+// plan.threads threads per slice of each token (grid splits * T), scratch
+// ([few_tokens_scratch_elems]) and the finish kernel's shared memory (the
+// token's N scores and N weights).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void set_few_tokens(KernelLaunch<ForwardParams<scalar_t>>& launch, const FewTokensPlan& plan,
+                    acc_t* scratch) {
+  ForwardParams<scalar_t>& params = launch.params;
+  launch.config.tile = TileConfig{plan.vec, 1, plan.threads, 1};
+  launch.config.grid = params.T * plan.splits;
+  launch.config.smem_bytes = static_cast<size_t>(2 * params.N) * sizeof(acc_t);
+  params.group = plan.threads;
+  params.tokens_per_cta = 1;
+  params.token_blocks = params.T;
+  params.ring_stages = 0;
+  params.few_splits = plan.splits;
+  params.few_slice = plan.slice;
+  params.few_partial = scratch;
+}
+
 // The fused output norm's forward: out gets (h r) * weight, r goes to
 // rstd ([T]), h to h ([T, D] contiguous) when not null. weight ([D]) must
 // be aligned for VEC-element packs of the accumulation dtype (16 bytes).

@@ -68,6 +68,11 @@ struct ForwardParams {
   const scalar_t* prefix_delta;  // rows prefix_delta_stride apart
   int64_t prefix_delta_stride;
   scalar_t* prefix_sum;
+  // The few-token kernels (set_few_tokens): CTA t * few_splits + s owns
+  // token t's columns [s * few_slice, +few_slice); few_partial: scratch.
+  int few_splits;
+  int few_slice;
+  acc_t* few_partial;
 };
 
 template <typename scalar_t>
@@ -288,6 +293,13 @@ void with_tile(const TileConfig& tile, F&& f) {
 template <typename scalar_t>
 void launch_forward(const ForwardParams<scalar_t>& params,
                     const LaunchConfig& config, cudaStream_t stream);
+
+// The few-token path (forward.cu): the partials kernel, the finish kernel
+// and, with the output norm, the norm kernel, on config.grid CTAs of
+// config.tile.group threads.
+template <typename scalar_t>
+void launch_few_tokens(const ForwardParams<scalar_t>& params, const LaunchConfig& config,
+                       cudaStream_t stream);
 
 template <typename scalar_t>
 void launch_backward(const BackwardParams<scalar_t>& params,

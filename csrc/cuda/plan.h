@@ -289,6 +289,68 @@ inline BackwardPlan plan_backward(TileConfig tile, int64_t N, int64_t D,
   return plan;
 }
 
+// Few tokens (decode; the bounds' reasons in docs/design.md §7): a token's
+// read split across `splits` CTAs of `threads` threads, each owning `slice`
+// contiguous columns (a multiple of vec). splits = 0: the tiled forward.
+// Taken for T <= 16 (beyond, the tiled grid fills the SMs), D >= 1024, N <=
+// 1024 (the finish keeps N scores and weights in shared memory), with
+// splits = min(SMs / T, D / 256) >= 2 (K3, D = 7168, one token: 28).
+constexpr int64_t kFewTokensMaxT = 16;
+constexpr int64_t kFewTokensMinD = 1024;
+constexpr int64_t kFewTokensMinSlice = 256;
+constexpr int64_t kFewTokensMaxN = 1024;
+constexpr int kFewTokensMaxThreads = 256;
+
+struct FewTokensPlan {
+  int splits = 0;
+  int vec = 1;
+  int slice = 0;
+  int threads = 0;
+};
+
+// The split of a row into at most `splits` slices of whole packs (none
+// empty), one thread per pack up to kFewTokensMaxThreads, in whole warps.
+inline FewTokensPlan few_tokens_shape(int64_t D, int vec, int64_t splits) {
+  FewTokensPlan plan;
+  const int64_t packs = ceil_div(D, vec);
+  const int64_t slice_packs = ceil_div(packs, std::max<int64_t>(1, splits));
+  plan.splits = static_cast<int>(ceil_div(packs, slice_packs));
+  plan.vec = vec;
+  plan.slice = static_cast<int>(slice_packs * vec);
+  plan.threads =
+      static_cast<int>(std::min<int64_t>(kFewTokensMaxThreads, ceil_div(slice_packs, 32) * 32));
+  return plan;
+}
+
+inline FewTokensPlan plan_few_tokens(int64_t T, int64_t N, int64_t D, bool vector_ok, int natural,
+                                     int64_t sm_count) {
+  if (T < 1 || T > kFewTokensMaxT || D < kFewTokensMinD || N > kFewTokensMaxN) return {};
+  const int64_t splits = std::min(sm_count / T, D / kFewTokensMinSlice);
+  if (splits < 2) return {};
+  return few_tokens_shape(D, vector_ok && D % natural == 0 ? natural : 1, splits);
+}
+
+// Scratch of the few-token kernels, in the accumulation dtype: per token,
+// source and slice <v, v> and <u, v> ([T, N, 2, splits]); with the output
+// norm then per token and slice sum(h^2) plain and scaled by the two range
+// factors ([T, 3, splits], docs/design.md §8).
+inline int64_t few_tokens_scratch_elems(const FewTokensPlan& plan, int64_t T, int64_t N,
+                                        bool normed) {
+  return T * (N * 2 + (normed ? 3 : 0)) * plan.splits;
+}
+
+// ATTNRES_CUDA_FEW_TOKENS (value: the variable's text, or null when unset):
+// unset or "1" = the few-token kernels where plan_few_tokens takes them;
+// "0" = never (a test compares both paths on one shape). Any other value is
+// refused.
+inline bool parse_few_tokens_switch(const char* value) {
+  if (value == nullptr || std::string(value) == "1") return true;
+  TORCH_CHECK(std::string(value) == "0", "attnres: ATTNRES_CUDA_FEW_TOKENS must be unset, \"1\" ",
+              "(the few-token kernels where planned, the default) or \"0\" (never), not \"",
+              value, "\"");
+  return false;
+}
+
 // The run-time switch ATTNRES_CUDA_RING (value: the variable's text, or
 // null when unset): "1" = the forward and backward rings where their plans
 // take them; unset or "0" = never (the default: on an H200 the rings made

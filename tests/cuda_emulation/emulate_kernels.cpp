@@ -7,7 +7,8 @@
 // backward staging in shared memory, the forward's cp.async ring (bit for
 // bit against its register pipeline), the backward's (bit for bit against
 // the backward of the same tile and grid without it), the source table overflow and the
-// per-CTA query-gradient partials and their fixed-order sum. Built and run by
+// per-CTA query-gradient partials and their fixed-order sum, and the
+// few-token kernels (a token's row split across CTAs). Built and run by
 // tests/python/test_cuda_emulation.py. Exit status 0 when every case passes.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -29,6 +30,7 @@
 
 #include "emulation_common.h"
 #include "kernel_params.h"
+#include "few_tokens.cuh"
 #include "kernels.cuh"
 
 using namespace attnres::cuda;
@@ -105,7 +107,16 @@ struct Case {
   // must give the first run's bits (over P' = P + delta rounded as
   // torch.add, which every other check uses) and write P' bit for bit.
   bool prefix = false;
+  // The few-token forward (docs/design.md §7) in place of the tiled one: -1
+  // as plan_few_tokens plans it for kFewTokensSms SMs (which it must take),
+  // k > 0 at most k slices (few_tokens_shape: widths the plan leaves to the
+  // tiled forward). Its h must also be sum_i a_i v_i from the written weights
+  // bit for bit (every CTA derived CTA 0's weights), and y (h r) w from the
+  // written r.
+  int few_tokens = 0;
 };
+
+constexpr int64_t kFewTokensSms = 132;
 
 // Cases whose forward took the cp.async ring (each also compared bit for
 // bit with the register pipeline), and whose backward took its ring (each
@@ -218,11 +229,31 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   // The forward's plan (the cp.async ring where the shape takes it, for the
   // case's opt-in shared memory) and, for comparison, the register
   // pipeline's (no shared memory to spare: plan_forward picks no ring).
-  const ForwardPlan fplan = forward_plan<scalar_t>(layout, N, D, c.smem_optin);
+  // The few-token path (Case::few_tokens) has no ring: fplan stays empty.
+  const bool few = c.few_tokens != 0;
+  auto few_plan_for = [&](const SourceTableLayout& l) {
+    const int vec = l.vector_aligned && D % natural == 0 ? natural : 1;
+    return c.few_tokens < 0 ? plan_few_tokens(T, N, D, l.vector_aligned, natural, kFewTokensSms)
+                            : few_tokens_shape(D, vec, c.few_tokens);
+  };
+  const FewTokensPlan few_plan = few ? few_plan_for(layout) : FewTokensPlan{};
+  const ForwardPlan fplan = few ? ForwardPlan{} : forward_plan<scalar_t>(layout, N, D, c.smem_optin);
   const ForwardPlan reg_plan = forward_plan<scalar_t>(layout, N, D, 0);
-  auto fwd = forward_launch<scalar_t>(fplan, layout, layout.overflow.data(), u.data(), out.data(),
-                                      rstd.data(), weights.data(), T, N, D,
-                                      static_cast<acc_t>(eps), c.grid_cap);
+  auto forward_launch_for = [&](const ForwardPlan& plan, const FewTokensPlan& fp,
+                                const SourceTableLayout& l, const SourceEntry* overflow,
+                                scalar_t* out_, acc_t* rstd_, acc_t* weights_,
+                                std::vector<acc_t>& scratch) {
+    auto launch = forward_launch<scalar_t>(plan, l, overflow, u.data(), out_, rstd_, weights_, T,
+                                           N, D, static_cast<acc_t>(eps), c.grid_cap);
+    if (few) {
+      scratch.assign(few_tokens_scratch_elems(fp, T, N, c.norm), static_cast<acc_t>(NAN));
+      set_few_tokens<scalar_t>(launch, fp, scratch.data());
+    }
+    return launch;
+  };
+  std::vector<acc_t> few_scratch;
+  auto fwd = forward_launch_for(fplan, few_plan, layout, layout.overflow.data(), out.data(),
+                                rstd.data(), weights.data(), few_scratch);
   if (c.norm) {
     set_forward_norm<scalar_t>(fwd.params, w_out.data(), out_rstd.data(),
                                c.keep_h ? h_kept.data() : nullptr, static_cast<acc_t>(c.out_eps));
@@ -235,6 +266,25 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   auto run_forward_with = [&](const KernelLaunch<ForwardParams<scalar_t>>& launch,
                               bool as_any) {
     const TileConfig& tile = launch.config.tile;
+    if (launch.params.few_splits > 0) {  // launch_few_tokens' kernels
+      const auto grid = static_cast<unsigned>(launch.config.grid);
+      auto kernels = [&](auto vec) {
+        constexpr int VEC = decltype(vec)::value;
+        emu::launch(grid, tile.group, 0,
+                    [&] { few_tokens_partials_kernel<scalar_t, VEC>(launch.params); });
+        emu::launch(grid, tile.group, launch.config.smem_bytes,
+                    [&] { few_tokens_finish_kernel<scalar_t, VEC>(launch.params); });
+        if (launch.params.norm_weight == nullptr) return;
+        emu::launch(grid, tile.group, 0,
+                    [&] { few_tokens_norm_kernel<scalar_t, VEC>(launch.params); });
+      };
+      if (tile.vec == 1) {
+        kernels(std::integral_constant<int, 1>{});
+      } else {
+        kernels(std::integral_constant<int, natural>{});
+      }
+      return;
+    }
     with_tile<scalar_t, kMaxElemsPerThread>(tile, [&](auto vec, auto vpt, auto group) {
       constexpr int VEC = decltype(vec)::value, VPT = decltype(vpt)::value;
       constexpr int kClass = decltype(group)::value;
@@ -305,16 +355,18 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     std::vector<scalar_t> sum(T * D, static_cast<scalar_t>(NAN));
     SourceTableLayout with_delta = layout;
     align_forward_prefix<scalar_t>(with_delta, delta.data() + offset, stride, sum.data(), T, D);
-    const ForwardPlan pplan = forward_plan<scalar_t>(with_delta, N, D, c.smem_optin);
+    const ForwardPlan pplan =
+        few ? ForwardPlan{} : forward_plan<scalar_t>(with_delta, N, D, c.smem_optin);
+    const FewTokensPlan pfew = few ? few_plan_for(with_delta) : FewTokensPlan{};
     std::vector<scalar_t> out3(T * D, static_cast<scalar_t>(NAN));
     std::vector<acc_t> rstd3(N * T, static_cast<acc_t>(NAN));
     std::vector<acc_t> weights3(N * T, static_cast<acc_t>(NAN));
     std::vector<scalar_t> h3(c.norm ? T * D : 0, static_cast<scalar_t>(NAN));
     std::vector<acc_t> out_rstd3(c.norm ? T : 0, static_cast<acc_t>(NAN));
     std::vector<SourceEntry> overflow = layout.overflow;
-    auto pre = forward_launch<scalar_t>(pplan, with_delta, overflow.data(), u.data(), out3.data(),
-                                        rstd3.data(), weights3.data(), T, N, D,
-                                        static_cast<acc_t>(eps), c.grid_cap);
+    std::vector<acc_t> scratch3;
+    auto pre = forward_launch_for(pplan, pfew, with_delta, overflow.data(), out3.data(),
+                                  rstd3.data(), weights3.data(), scratch3);
     SourceEntry& last = N - 1 < kTableCapacity ? pre.params.table.first[N - 1]
                                                : overflow[N - 1 - kTableCapacity];
     last.src = P0.data() + offset;
@@ -329,7 +381,8 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
       std::copy_n(src[N - 1].begin() + offset + t * stride, D, want_sum.begin() + t * D);
     }
     prefix_same_bits = pplan.tile.vec == fplan.tile.vec && pplan.tile.vpt == fplan.tile.vpt &&
-                       pplan.tile.group == fplan.tile.group &&
+                       pplan.tile.group == fplan.tile.group && pfew.splits == few_plan.splits &&
+                       pfew.vec == few_plan.vec &&
                        pplan.ring_stages == fplan.ring_stages && same_bits(sum, want_sum) &&
                        same_bits(out3, out) && same_bits(rstd3, rstd) &&
                        same_bits(weights3, weights) && same_bits(out_rstd3, out_rstd) &&
@@ -670,6 +723,34 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     }
     if (c.norm && want_dw) checks.push_back({"dw_nan", all_nan(dw) ? 0.0 : 1.0, 0.0});
   }
+  std::string few_label;
+  if (few) {
+    // Every CTA used CTA 0's weights and r: h from the written weights (in
+    // the finish kernel's order, kept finite) and y from the written r, bit
+    // for bit.
+    bool h_bits = true, y_bits = true;
+    const std::vector<scalar_t>& h_few = c.norm ? h_kept : out;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int d = 0; d < D; ++d) {
+        acc_t h = 0;
+        for (int i = 0; i < N; ++i) {
+          h += weights[i * T + t] * static_cast<acc_t>(src[i][offset + t * stride + d]);
+        }
+        const auto want = static_cast<scalar_t>(attnres::math::keep_finite<acc_t>(h));
+        h_bits = h_bits && std::memcmp(&want, &h_few[t * D + d], sizeof want) == 0;
+        if (!c.norm) continue;
+        const auto y = static_cast<scalar_t>((static_cast<acc_t>(want) * out_rstd[t]) * w_out[d]);
+        y_bits = y_bits && std::memcmp(&y, &out[t * D + d], sizeof y) == 0;
+      }
+    }
+    checks.push_back({"few_tokens_planned", few_plan.splits > 0 ? 0.0 : 1.0, 0.0});
+    checks.push_back({"few_h_from_weights_bits", h_bits ? 0.0 : 1.0, 0.0});
+    if (c.norm) checks.push_back({"few_y_from_r_bits", y_bits ? 0.0 : 1.0, 0.0});
+    char b[80];
+    std::snprintf(b, sizeof b, " few_tokens[S=%d slice=%d threads=%d vec=%d]", few_plan.splits,
+                  few_plan.slice, few_plan.threads, few_plan.vec);
+    few_label = b;
+  }
   bool ok = true;
   std::string detail;
   for (const auto& ch : checks) {
@@ -700,6 +781,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.smem_optin != 227 * 1024) range += " optin=" + std::to_string(c.smem_optin);
   if (c.prefix) range += " +prefix_add";
+  range += few_label;
   if (!c.run_backward) {
     range += " (forward only)";
   } else if (!c.check_backward) {
@@ -1055,6 +1137,57 @@ int main(int argc, char** argv) {
     std::printf("%s ATTNRES_CUDA_RING: 1 -> rings, unset/0 -> none, other values refused\n",
                 ok ? "ok  " : "FAIL");
   }
+  // The few-token plan (plan_few_tokens): T <= 16, D >= 1024, N <= 1024, at
+  // least 2 slices of >= 256 columns, min(SMs / T, D / 256) of them; and its
+  // switch ATTNRES_CUDA_FEW_TOKENS (unset or 1: planned, 0: never).
+  {
+    struct FewCase {
+      const char* what;
+      int64_t T, N, D;
+      bool vector_ok;
+      int natural;
+      int64_t sms;
+      int want_splits, want_vec, want_slice, want_threads;
+    };
+    const FewCase few_cases[] = {
+        {"K3 bf16 T=1 N=10 D=7168", 1, 10, 7168, true, 8, 132, 28, 8, 256, 32},
+        {"K3 bf16 T=16 N=10 D=7168", 16, 10, 7168, true, 8, 132, 8, 8, 896, 128},
+        {"bf16 T=16 D=7168 on 16 SMs: 1 slice", 16, 10, 7168, true, 8, 16, 0, 0, 0, 0},
+        {"bf16 T=1 D=7168 misaligned: scalar", 1, 10, 7168, false, 8, 132, 28, 1, 256, 256},
+        {"fp32 T=1 D=16384", 1, 3, 16384, true, 4, 132, 64, 4, 256, 64},
+        {"fp32 T=3 D=7001: scalar, 27 slices", 3, 3, 7001, true, 4, 132, 27, 1, 260, 256},
+        {"fp64 T=16 D=1024", 16, 3, 1024, true, 2, 132, 4, 2, 256, 128},
+        {"T=0", 0, 3, 7168, true, 8, 132, 0, 0, 0, 0},
+        {"T=17", 17, 3, 7168, true, 8, 132, 0, 0, 0, 0},
+        {"D=1023", 1, 3, 1023, true, 8, 132, 0, 0, 0, 0},
+        {"N=1025", 1, 1025, 7168, true, 8, 132, 0, 0, 0, 0},
+    };
+    for (const auto& fc : few_cases) {
+      const FewTokensPlan fp = plan_few_tokens(fc.T, fc.N, fc.D, fc.vector_ok, fc.natural, fc.sms);
+      const bool ok = fp.splits == fc.want_splits &&
+                      (fp.splits == 0 || (fp.vec == fc.want_vec && fp.slice == fc.want_slice &&
+                                          fp.threads == fc.want_threads));
+      failures += ok ? 0 : 1;
+      std::printf("%s plan_few_tokens %s -> splits=%d vec=%d slice=%d threads=%d (want %d %d %d "
+                  "%d)\n",
+                  ok ? "ok  " : "FAIL", fc.what, fp.splits, fp.vec, fp.slice, fp.threads,
+                  fc.want_splits, fc.want_vec, fc.want_slice, fc.want_threads);
+    }
+    bool ok = parse_few_tokens_switch(nullptr) && parse_few_tokens_switch("1") &&
+              !parse_few_tokens_switch("0");
+    for (const char* bad : {"", "2", "yes", "00"}) {
+      bool refused = false;
+      try {
+        parse_few_tokens_switch(bad);
+      } catch (const c10::Error& e) {
+        refused = std::string(e.what()).find("ATTNRES_CUDA_FEW_TOKENS") != std::string::npos;
+      }
+      ok = ok && refused;
+    }
+    failures += ok ? 0 : 1;
+    std::printf("%s ATTNRES_CUDA_FEW_TOKENS: unset/1 -> planned, 0 -> never, other values "
+                "refused\n", ok ? "ok  " : "FAIL");
+  }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
     if constexpr (compiled_in<scalar_t>()) {
@@ -1311,6 +1444,62 @@ int main(int argc, char** argv) {
   run(c10::BFloat16{}, {prefix({9, 20, 1024, 0, false, 3}), prefix({3, 5, 7186, 0, false, 2}),
                         prefix(normed({9, 20, 1000, 0, false, 2})), prefix({1, 7, 1, 0, false, 2})});
   run(c10::Half{}, {prefix({17, 6, 64, 0, false, 1}), prefix({4, 300, 24, 0, false, 2})});
+  // The few-token forward (Case::few_tokens): as planned (K3's decode read,
+  // N = 10, D = 7168, T = 1 and 16, with P and delta and the norm), forced
+  // slices at widths the plan leaves to the tiled forward (D = 1, 7, 1000),
+  // N = 1 .. 70 (the overflow table), the scalar path (odd stride,
+  // misaligned), h not kept, rescued rows (the last one P' too), rows at the
+  // dtype's maximum, NaN; forward only, but for one backward a dtype from its
+  // statistics.
+  auto few_tokens = [](Case c, int splits = -1, bool backward = false) {
+    c.few_tokens = splits;
+    c.run_backward = c.check_backward = backward;
+    return c;
+  };
+  run(double{}, {few_tokens(prefix(normed({10, 1, 7168, 0, false, 1}))),
+                 few_tokens({3, 3, 1024, 0, false, 1}, -1, true),
+                 few_tokens(prefix({70, 3, 1024, 0, false, 1})),
+                 few_tokens(normed({1, 1, 7, 0, false, 1}), 3),
+                 few_tokens(prefix({3, 3, 1024, 0, true, 1})),
+                 few_tokens(prefix(range_case(3, 3, 1024, {1e160, 1e-150, 1.0}))),
+                 few_tokens(range_case(2, 3, 1024, {1e-300}, 0.0)),
+                 few_tokens(normed(range_case(3, 3, 1024, {1e200, 1e199})))});
+  run(float{}, {few_tokens(prefix(normed({10, 1, 7168, 0, false, 1}))),
+                few_tokens(prefix({10, 16, 1024, 0, false, 1})),
+                few_tokens({3, 3, 1024, 0, false, 1}, -1, true),
+                few_tokens(normed({1, 1, 1024, 0, false, 1})),
+                few_tokens(prefix({70, 3, 1024, 0, false, 1})),
+                few_tokens(prefix(normed({3, 3, 1, 0, false, 1})), 2),
+                few_tokens(normed({3, 1, 7, 0, false, 1}), 3),
+                few_tokens(prefix(normed({10, 3, 1000, 0, false, 1}, false)), 4),
+                few_tokens({3, 3, 1024, 1, false, 1}),           // odd row stride: scalar
+                few_tokens(prefix({3, 3, 1024, 8, false, 1})),   // strided, 16-byte path
+                few_tokens(prefix(normed({3, 3, 1024, 0, true, 1}))),  // misaligned: scalar
+                few_tokens(range_case(3, 3, 1024, {1e30, 1.0, 1e-30})),
+                few_tokens(range_case(3, 3, 1024, {1e-30}, 0.0)),
+                few_tokens(prefix(range_case(2, 3, 1024, {1.0, 3e38}))),  // P' rescued
+                few_tokens(normed(range_case(3, 3, 1024, {3e38, 2e38}))),
+                few_tokens(normed(range_case(3, 3, 1024, {1e-30}, 0.0), true, true, 0.0)),
+                few_tokens(range_case(1, 3, 1024, {}, 1e-6, true)),
+                few_tokens(at_maximum(10, 3, 1024, 3.4028234663852886e38))});
+  run(c10::BFloat16{}, {few_tokens(prefix(normed({10, 1, 7168, 0, false, 1}))),
+                        few_tokens(prefix({10, 16, 7168, 0, false, 1})),
+                        few_tokens({10, 3, 1024, 0, false, 1}, -1, true),
+                        few_tokens(prefix({70, 3, 1024, 0, false, 1})),
+                        few_tokens(prefix(normed({1, 1, 1024, 0, false, 1}))),
+                        few_tokens(prefix({3, 16, 1000, 0, false, 1}), 5),
+                        few_tokens(prefix(normed({3, 3, 7, 0, false, 1})), 2),
+                        few_tokens(prefix({3, 3, 1024, 0, true, 1})),
+                        few_tokens(range_case(3, 3, 1024, {3e38, 1e-30, 1.0})),
+                        few_tokens(normed(range_case(3, 3, 1024, {3e38, 1e38}))),
+                        few_tokens(at_maximum(7, 3, 1024, 3.3895313892515355e38))});
+  run(c10::Half{}, {few_tokens(prefix(normed({10, 1, 7168, 0, false, 1}))),
+                    few_tokens({3, 3, 1024, 0, false, 1}, -1, true),
+                    few_tokens(prefix({70, 1, 1024, 0, false, 1})),
+                    few_tokens(normed({1, 16, 1, 0, false, 1}), 2),
+                    few_tokens(prefix({3, 3, 1024, 1, false, 1})),
+                    few_tokens(range_case(4, 3, 1024, {6e4, 1e-4})),
+                    few_tokens(normed(range_case(4, 3, 1024, {6e4, 2e4})))});
   // The forward's cp.async ring over N (forward only): one warp per token
   // (32 packs a row), rows of 512 bytes per warp, so 3 stages up to N = 32,
   // 2 up to N = 64 (the CTA's 64 KiB), none at 65 and 70; tokens per CTA

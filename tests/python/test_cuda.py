@@ -1,6 +1,11 @@
 """CUDA kernels of attnres: agreement with the float64 reference and the CPU
 kernels, gradcheck, opcheck, torch.compile, CUDA graphs, determinism, 64-bit
-indexing, strided sources and NaN isolation. Skips where no GPU is visible."""
+indexing, strided sources, NaN isolation and the few-token kernels. Skips where
+no GPU is visible."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -727,3 +732,98 @@ def test_one_call_prefix_add_is_add_then_read_bit_for_bit(dtype, out_norm, shape
 
     for i, (a, b) in enumerate(zip(run(True), run(False))):
         assert torch.equal(a, b), i
+
+
+# The few-token kernels (docs/design.md §7) at K3's decode read: bf16, N = 10
+# (the last source the partial sum P, read with delta), D = 7168, with and
+# without the fused norm. ATTNRES_CUDA_FEW_TOKENS is read once per process:
+# the tiled kernel's results come from a subprocess with it set to 0.
+few_tokens_on = pytest.mark.skipif(os.environ.get("ATTNRES_CUDA_FEW_TOKENS") == "0",
+                                   reason="ATTNRES_CUDA_FEW_TOKENS=0 turns the few-token kernels off")
+
+
+def k3_decode_read(T, seed):
+    sources, query, norm_weight, _ = make_problem(10, (T,), 7168, torch.bfloat16, seed=seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    delta = (torch.randn(T, 7168, generator=g, dtype=torch.float64) * 0.5).to(torch.bfloat16).cuda()
+    out_weight = (1 + 0.3 * torch.randn(7168, generator=g, dtype=torch.float64)).float().cuda()
+    return sources, query, norm_weight, delta, out_weight
+
+
+def k3_decode_ops(sources, query, norm_weight, delta, out_weight):
+    """[h, rstd, weights, P'] of the plain read, then [y, h, out_rstd] of the normed one."""
+    h, rstd, weights, _, _, p_next = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0, None, None, False, delta)
+    y, _, _, h_kept, out_rstd, _ = torch.ops.attnres.depth_attention_fwd(
+        sources, query, norm_weight, 1e-6, 1.0, out_weight, 1e-5, True, delta)
+    return [h, rstd, weights, p_next, y, h_kept, out_rstd]
+
+
+def k3_decode_outputs(*args):
+    """k3_decode_ops' results, and whether a few-token kernel ran (the profiler's kernel names)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        outs = k3_decode_ops(*args)
+        torch.cuda.synchronize()
+    return outs, any("few_tokens_finish_kernel" in e.name for e in prof.events())
+
+
+@few_tokens_on
+@pytest.mark.parametrize("T", [1, 16])
+def test_few_tokens_read_matches_the_tiled_kernel_and_float64(T, tmp_path):
+    args = k3_decode_read(T, seed=21 + T)
+    got, few = k3_decode_outputs(*args)
+    torch.save([[x.cpu() for x in args[0]], *[x.cpu() for x in args[1:]]], tmp_path / "in.pt")
+    code = (f"import sys, torch\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            "from test_cuda import k3_decode_outputs\n"
+            "srcs, *rest = torch.load(sys.argv[1])\n"
+            "outs, few = k3_decode_outputs([s.cuda() for s in srcs], *[x.cuda() for x in rest])\n"
+            "torch.save(([o.cpu() for o in outs], few), sys.argv[2])\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                          env={**os.environ, "ATTNRES_CUDA_FEW_TOKENS": "0"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    tiled, tiled_few = torch.load(tmp_path / "out.pt")
+    assert few and not tiled_few, "few-token kernels in the wrong process (or no kernels profiled)"
+    h, rstd, weights, p_next, y, h_kept, out_rstd = got
+    sources, query, norm_weight, delta, out_weight = args
+    # P' rounded as torch.add, both paths; the normed read's h is the plain one's.
+    assert torch.equal(p_next, sources[-1] + delta) and torch.equal(p_next, tiled[3].cuda())
+    assert torch.equal(h_kept, h)
+    for name, a, b, tol in [("h", h, tiled[0], REL_TOL), ("rstd", rstd, tiled[1], STAT_REL_TOL),
+                            ("weights", weights, tiled[2], STAT_REL_TOL), ("y", y, tiled[4], REL_TOL),
+                            ("out_rstd", out_rstd, tiled[6], STAT_REL_TOL)]:
+        assert_rel_close(a.cpu().double(), b.double(), tol[torch.bfloat16], f"{name} vs the tiled kernel")
+    # Against float64 over P'.
+    xs = [x.double() for x in sources[:-1]] + [p_next.double()]
+    ref_h, ref_w = reference.depth_attention(xs, query.double(), norm_weight.double(), eps=1e-6,
+                                             return_weights=True)
+    ref_r = torch.rsqrt(h.double().pow(2).mean(-1) + 1e-5)  # of the rounded h (§11)
+    assert_rel_close(h.double(), ref_h, REL_TOL[torch.bfloat16], "h")
+    assert_rel_close(weights.double(), ref_w.double(), STAT_REL_TOL[torch.bfloat16], "weights")
+    assert_rel_close(out_rstd.double(), ref_r, STAT_REL_TOL[torch.bfloat16], "out_rstd")
+    assert_rel_close(y.double(), h.double() * ref_r.unsqueeze(-1) * out_weight.double(),
+                     REL_TOL[torch.bfloat16], "y")
+
+
+@few_tokens_on
+def test_cuda_graph_replays_a_few_token_read():
+    """The few-token kernels' scratch comes from the caching allocator and
+    nothing waits on the host: a captured K3 decode read replays the eager bits."""
+    static = k3_decode_read(1, seed=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            k3_decode_ops(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = k3_decode_ops(*static)
+    for seed in (4, 5):
+        new = k3_decode_read(1, seed=seed)
+        for dst, src in zip([*static[0], *static[1:]], [*new[0], *new[1:]]):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(replayed, k3_decode_ops(*static))):
+            assert torch.equal(a, b), f"replayed output {i} differs from an eager run"
