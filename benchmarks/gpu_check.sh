@@ -12,7 +12,8 @@
 #      out_weight, the fused output norm; the two-phase Block reads'
 #      forward and backward); the decode stage (decode.py: a Block GPT's
 #      decode step captured in a CUDA graph and replayed, checked against
-#      the full forward; tokens/s at batch 1);
+#      the full forward; tokens/s at batch 1); decode-sized reads with the
+#      few-token kernels and without (few_tokens_stage);
 #   4. benchmark, priority shapes (bf16 T=65536 N {9,17,33} x D {4096,1024,
 #      7168}, fwd and bwd; attnres, eager, fla, liger, compile); then the
 #      cp.async rings A/B (ring_ab_stage: ATTNRES_CUDA_RING=1 rows for a few
@@ -70,7 +71,7 @@ BENCH_IMPLS=${BENCH_IMPLS:-attnres,eager,fla,liger,compile}
 MODEL_IMPLS=${MODEL_IMPLS:-attnres fla eager}
 mkdir -p "$RESULTS"
 rm -f "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md \
-  "$RESULTS"/decode_*CUDA*.md  # this run's only
+  "$RESULTS"/decode_*CUDA*.md "$RESULTS"/prefix_add_reads_*CUDA*.md  # this run's only
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( TOTAL_S - $(elapsed) )); }
@@ -82,7 +83,7 @@ copy_out() {
   [ -z "${OUT:-}" ] && return 0
   # block_reads.py and decode.py name their files after the GPU: <name>_CUDA_<version>*.md
   for f in "$RESULTS"/gpu_*.csv "$RESULTS"/gpu_*.md "$RESULTS"/block_reads_*CUDA*.md \
-           "$RESULTS"/decode_*CUDA*.md \
+           "$RESULTS"/decode_*CUDA*.md "$RESULTS"/prefix_add_reads_*CUDA*.md \
            "$RESULTS/resource_usage.txt" "$RESULTS/build.log" \
            "$RESULTS/peers.txt" "$RESULTS/peers_warmup.log" "$RESULTS/sanitize.txt" \
            "$RESULTS"/sanitize_*.log "$RESULTS"/sanitize_*.out "$RESULTS"/tests_*.txt; do
@@ -311,6 +312,7 @@ PY
   ATTNRES_CUDA_RING=1 SMOKE_RING_SHAPES=1 timeout "$SMOKE_S" python3 "$RESULTS/smoke.py"
   echo "smoke rings rc=$?"
   decode_stage
+  few_tokens_stage
 
   # The warm-up must not overlap the timed calls.
   if [ -n "$WARM_PID" ]; then
@@ -512,6 +514,28 @@ decode_stage() {
       --block-layers 4 --tokens 32 --repeats 5 --out-dir "$RESULTS"
   fi
   echo "decode stage rc=$?"
+}
+
+# Decode-sized reads (benchmarks/prefix_add_reads.py on the GPU, bf16: T in
+# {1, 4, 16, 256}, D in {1024, 7168}, N in {3, 9}, the read with its add
+# fused or not, with and without grad), with the few-token kernels (the
+# default, docs/design.md §7) and without them (ATTNRES_CUDA_FEW_TOKENS=0:
+# the tiled kernel, file suffix _tiled), each in a process of its own. At
+# most FEW_TOKENS_S (default 60) seconds.
+FEW_TOKENS_S=${FEW_TOKENS_S:-60}
+few_tokens_stage() {
+  stage_start "$FEW_TOKENS_S" "decode-sized reads: few-token kernels vs the tiled kernel" || return 0
+  local half=$(( STAGE_CAP / 2 ))
+  if [ "$DRY_RUN" = 1 ]; then
+    timeout -k 5 "$STAGE_CAP" python3 benchmarks/prefix_add_reads.py --quick
+  else
+    timeout -k 5 "$half" python3 benchmarks/prefix_add_reads.py --device cuda --dtype bfloat16 \
+      --rounds 5 --out-dir "$RESULTS"
+    echo "prefix_add_reads.py (few-token kernels) rc=$?"
+    ATTNRES_CUDA_FEW_TOKENS=0 timeout -k 5 "$half" python3 benchmarks/prefix_add_reads.py \
+      --device cuda --dtype bfloat16 --rounds 5 --suffix _tiled --out-dir "$RESULTS"
+  fi
+  echo "few-tokens stage rc=$?"
 }
 
 # The two-phase Block reads (issue 9, docs/design.md §10): inference reads of

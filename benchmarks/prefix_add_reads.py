@@ -3,11 +3,14 @@
 
   python benchmarks/prefix_add_reads.py     # writes benchmarks/results/prefix_add_reads_<machine>.md
   python benchmarks/prefix_add_reads.py --quick   # a dry run: few sizes and calls, no file
+  python benchmarks/prefix_add_reads.py --device cuda --dtype bfloat16 [--suffix _tiled]
+      # on the GPU (synchronized rounds; D in {1024, 7168}); gpu_check.sh runs it with the
+      # few-token kernels and without (ATTNRES_CUDA_FEW_TOKENS=0, suffix _tiled)
 
 What one sublayer's read costs in a Block model: its output f joins the
 partial block sum P (P' = P + f) and the next read reads the completed
 sources and P'. Variants, per shape (T tokens of width D, N completed
-sources, fp32, one stream's layout):
+sources, fp32 unless --dtype, one stream's layout):
   - torch.add        P + f alone: the one-dispatcher-call floor;
   - one-call         P + f, then attnres.depth_attention over the N sources and P';
   - fused one-call   attnres.depth_attention(N sources and P, delta=f): the add inside the read;
@@ -40,12 +43,16 @@ import bench  # noqa: E402  (git_state)
 import block_reads  # noqa: E402  (machine_name, load_footer, write_results)
 
 
-def problem(T, D, N, grad):
+def problem(T, D, N, grad, device="cpu", dtype=torch.float32):
     g = torch.Generator().manual_seed(T * 7 + D + N)
-    completed = [torch.randn(T, D, generator=g) for _ in range(N)]
-    P, f = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
-    queries = torch.randn(2, D, generator=g) / D ** 0.5
-    gains = torch.rand(2, D, generator=g) + 0.5
+
+    def make(*shape, fn=torch.randn):
+        return fn(*shape, generator=g).to(device, dtype)
+
+    completed = [make(T, D) for _ in range(N)]
+    P, f = make(T, D), make(T, D)
+    queries = make(2, D) / D ** 0.5
+    gains = make(2, D, fn=torch.rand) + 0.5
     with torch.no_grad():
         partials, lse = attnres.block_reads(completed, queries, gains)
     t = dict(completed=completed, P=P, f=f, query=queries[1].clone(), gain=gains[1].clone(),
@@ -96,17 +103,20 @@ def variants(t, grad):
             "merge": merge, "fused merge": fused}
 
 
-def per_call(fns, calls, rounds):
+def per_call(fns, calls, rounds, sync=lambda: None):
     """Median seconds per call of each function: `rounds` rounds of `calls`
-    calls each, the order rotated every round."""
+    calls each, the order rotated every round (`sync`: the device's
+    synchronize, before and after a round)."""
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[name]
+            sync()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            sync()
             times[name].append((time.perf_counter() - t0) / calls)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -116,17 +126,28 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few sizes and calls (dry run), no file")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
+                    default="float32")
+    ap.add_argument("--suffix", default="", help="appended to the results file's name")
     args = ap.parse_args()
+    cuda = args.device == "cuda"
+    dtype = getattr(torch, args.dtype)
     tokens, widths, Ns = (([1, 16], [64], [3]) if args.quick
-                          else ([1, 4, 16, 256], [64, 1024, 7168], [3, 9]))
+                          else ([1, 4, 16, 256], [1024, 7168] if cuda else [64, 1024, 7168],
+                                [3, 9]))
     rounds = 3 if args.quick else args.rounds
+    block_reads.DEV = torch.device(args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     machine = block_reads.machine_name()
     load_before = os.getloadavg()
     threads0 = torch.get_num_threads()
     out = ["# A Block read with its add, fused or not", "",
            f"Machine: {machine}; torch {torch.__version__}; {bench.git_state()}; command: "
-           f"`python benchmarks/prefix_add_reads.py{' --quick' if args.quick else ''}`", "",
-           "fp32; per-call medians (us) of interleaved rounds; ratios to torch.add (P + f alone) "
+           f"`{' '.join(['python', 'benchmarks/prefix_add_reads.py', *sys.argv[1:]])}`"
+           + (f"; ATTNRES_CUDA_FEW_TOKENS={os.environ['ATTNRES_CUDA_FEW_TOKENS']}"
+              if cuda and "ATTNRES_CUDA_FEW_TOKENS" in os.environ else ""), "",
+           f"{args.dtype}; per-call medians (us) of interleaved rounds; ratios to torch.add (P + f alone) "
            "in the same run. \"fused 1c / 1c\": the fused one-call read over P + f then the "
            "one-call read; \"fused m / m\": the same for the merge.", "",
            "| grad | T | D | N | threads | torch.add us | one-call us | fused one-call us "
@@ -137,16 +158,17 @@ def main() -> None:
         for D in widths:
             for T in tokens:
                 for N in Ns:
-                    for threads in ([1, 2] if D >= 7168 else [threads0]):
+                    for threads in ([1, 2] if D >= 7168 and not cuda else [threads0]):
                         torch.set_num_threads(threads)
-                        t = problem(T, D, N, grad)
+                        t = problem(T, D, N, grad, args.device, dtype)
                         with torch.set_grad_enabled(grad):
                             fns = variants(t, grad)
                             for fn in fns.values():  # first touches
                                 fn(), fn()
-                            # about 20 ms a round and variant
-                            calls = 5 if args.quick else max(5, min(2000, int(2e6 / (T * D))))
-                            med = per_call(fns, calls, rounds)
+                            # about 20 ms a round and variant (CPU; launch-bound on CUDA)
+                            calls = (5 if args.quick else 50 if cuda
+                                     else max(5, min(2000, int(2e6 / (T * D)))))
+                            med = per_call(fns, calls, rounds, sync)
                         a = med["torch.add"]
                         reads = ("one-call", "fused one-call", "merge", "fused merge")
                         row = " | ".join(
@@ -161,7 +183,7 @@ def main() -> None:
     out.append(block_reads.load_footer(load_before, os.getloadavg(),
                                        "this script keeps up to 2 threads busy"))
     if not args.quick:
-        block_reads.write_results(out, args.out_dir, "prefix_add_reads", machine)
+        block_reads.write_results(out, args.out_dir, "prefix_add_reads", machine, args.suffix)
 
 
 if __name__ == "__main__":

@@ -443,7 +443,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                      "smoke check: 0 failure(s)", "smoke rc=0", "smoke rings rc=0", "bench.py priority rc=0",
                      "bench.py rings on rc=0", "bench.py rings off rc=0",
                      "out_norm stage rc=0", "block_reads stage rc=0", "block_gpt stage rc=0",
-                     "decode stage rc=0",
+                     "decode stage rc=0", "few-tokens stage rc=0",
                      "bench_model.py attnres rc=0", "bench_model.py eager rc=0",
                      "test_cuda.py rc=0", "sanitizer shapes on the CPU without compute-sanitizer: rc=0"):
         assert expected in log, f"{expected!r} not in the log:\n{log[-6000:]}"
