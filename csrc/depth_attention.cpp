@@ -53,7 +53,11 @@ at::Tensor effective_query(const at::Tensor& query,
   } else if (has_gain) {
     u = at::mul(u, norm_weight->to(acc));
   }
-  return u.contiguous();
+  u = u.contiguous();
+  // Without a gain at scale 1, u may be the query itself: the CUDA kernels
+  // load u in 16-byte packs, so a query view off that alignment is copied.
+  if (reinterpret_cast<uintptr_t>(u.const_data_ptr()) % 16 != 0) u = u.clone();
+  return u;
 }
 
 // dquery = scale * gain * Z and dgain = scale * query * Z (docs/design.md

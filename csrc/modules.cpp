@@ -252,6 +252,7 @@ void DepthStream::append(const at::Tensor& output) {
   } else {
     settle();
     if (row) {
+      at::NoGradGuard no_grad;  // the rows never carry a graph (inference)
       at::Tensor out = *row;
       partial_ = at::add_out(out, partial_, f);
     } else {

@@ -139,6 +139,28 @@ inline torch::autograd::variable_list expand_masked(const torch::autograd::varia
   return all;
 }
 
+// Whether an argument carries a forward-mode tangent (a dual tensor): a
+// kernel called alone would drop it without a word.
+inline bool carries_tangent(const at::Tensor& t) {
+  return t.defined() && t._fw_grad(/*level=*/0).defined();
+}
+inline bool carries_tangent(const std::optional<at::Tensor>& t) {
+  return t && carries_tangent(*t);
+}
+inline bool carries_tangent(at::TensorList ts) {
+  for (const auto& t : ts) {
+    if (carries_tangent(t)) return true;
+  }
+  return false;
+}
+inline bool carries_tangent(const std::vector<at::Tensor>& ts) {
+  return carries_tangent(at::TensorList(ts));
+}
+template <class T>
+bool carries_tangent(const T&) {  // not a tensor
+  return false;
+}
+
 // The node a backward op records: its forward runs the op and returns the
 // wanted gradients (autograd cannot attach history to an undefined tensor);
 // its backward refuses (first derivatives only).
@@ -156,11 +178,12 @@ class BackwardNode : public torch::autograd::Function<BackwardNode<Op>> {
   }
   // The call from a first derivative's backward: the op alone when grad
   // mode is off (a backward without create_graph, the usual case: no node
-  // to build and drop, a decode-sized backward being host-bound), else
-  // through this node, so that a second derivative raises.
+  // to build and drop, a decode-sized backward being host-bound) and no
+  // argument carries a tangent, else through this node, so that a second
+  // derivative, or forward-mode AD through it, raises.
   template <class... Args>
   static torch::autograd::variable_list run(Args&&... args) {
-    if (!at::GradMode::is_enabled()) {
+    if (!at::GradMode::is_enabled() && !(carries_tangent(args) || ...)) {
       return defined_of(call_below_autograd<Op>(std::forward<Args>(args)...));
     }
     return BackwardNode::apply(std::forward<Args>(args)...);

@@ -372,10 +372,13 @@ class DepthStream:
             self._settle()
             self._pending = f
             self._pending_mode = _modes()
+        elif row is None:
+            self._settle()
+            self._partial = self._partial + f
         else:
             self._settle()
-            self._partial = (self._partial + f if row is None
-                             else torch.add(self._partial, f, out=row))
+            with torch.no_grad():  # the rows never carry a graph (inference)
+                self._partial = torch.add(self._partial, f, out=row)
         if row is not None and completes:
             self._storage_writes[0] += 1
             self._writes_seen = self._storage_writes[0]

@@ -215,9 +215,8 @@ def test_second_derivatives_raise_a_clear_error():
 
 def test_block_reads_second_derivatives_raise_and_first_ones_need_no_graph():
     """Phase 1's and the merge's gradients: differentiating them again raises
-    (create_graph=True records the refusing node); a plain backward builds
-    no graph (the backward op runs alone) and gives the same first
-    derivatives."""
+    (create_graph=True records the refusing node); a plain backward gives
+    the same first derivatives without a graph."""
     gen = torch.Generator().manual_seed(11)
     srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
     qs = torch.randn(2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -234,6 +233,26 @@ def test_block_reads_second_derivatives_raise_and_first_ones_need_no_graph():
         torch.autograd.grad(grad_p.sum(), P, retain_graph=True)
     with pytest.raises(RuntimeError, match="second derivatives of block_reads"):
         torch.autograd.grad(grad_q[0].sum(), qs)
+
+
+@pytest.mark.parametrize("read", ["one_call", "merge"])
+def test_a_backward_with_a_dual_gradient_raises_instead_of_dropping_its_tangent(read):
+    """Forward-mode AD through the backward ops is not implemented: a
+    backward whose incoming gradient is a dual tensor raises, as it does
+    with create_graph, instead of returning gradients without tangents."""
+    import torch.autograd.forward_ad as fwAD
+    gen = torch.Generator().manual_seed(12)
+    srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
+    q, g = make_params(8, torch.float64, "cpu", gen, requires_grad=True)
+    if read == "one_call":
+        h = attnres.depth_attention(srcs, q, g)
+    else:
+        partials, lse = attnres.block_reads(srcs[:2], q.unsqueeze(0), g.unsqueeze(0))
+        h = attnres.block_read_merge(partials[0], lse[0], srcs[2], q, g)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.randn_like(h), torch.randn_like(h))
+        with pytest.raises(RuntimeError, match="jvp|forward AD|forward-mode"):
+            torch.autograd.grad(h, q, grad_outputs=dual)
 
 
 def test_backward_with_create_graph_still_gives_first_derivatives():

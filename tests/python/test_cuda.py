@@ -770,6 +770,8 @@ def k3_decode_outputs(*args):
 @few_tokens_on
 @pytest.mark.parametrize("T", [1, 16])
 def test_few_tokens_read_matches_the_tiled_kernel_and_float64(T, tmp_path):
+    if torch.cuda.get_device_properties(0).multi_processor_count // T < 2:
+        pytest.skip(f"fewer than {2 * T} SMs: plan_few_tokens leaves T = {T} to the tiled kernel")
     args = k3_decode_read(T, seed=21 + T)
     got, few = k3_decode_outputs(*args)
     torch.save([[x.cpu() for x in args[0]], *[x.cpu() for x in args[1:]]], tmp_path / "in.pt")
@@ -827,3 +829,19 @@ def test_cuda_graph_replays_a_few_token_read():
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(replayed, k3_decode_ops(*static))):
             assert torch.equal(a, b), f"replayed output {i} differs from an eager run"
+
+
+@pytest.mark.parametrize("T", [1, 64], ids=["few_tokens", "tiled"])
+def test_a_query_view_off_16_bytes_reads_as_an_aligned_copy(T):
+    """Without a gain at scale 1 the effective query is the query itself; the
+    kernels load it in 16-byte packs, so a view off that alignment must be
+    copied first (the host does), not read misaligned."""
+    sources, query, _, grad_out = make_problem(4, (T,), 1024, torch.float32, gain=False, seed=31)
+    buf = torch.empty(query.numel() + 1, device="cuda", dtype=query.dtype)
+    buf[1:].copy_(query)
+    off = buf[1:]
+    assert off.data_ptr() % 16 != 0
+    want = attnres.depth_attention(sources, query.clone())
+    got = attnres.depth_attention(sources, off)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
