@@ -280,3 +280,22 @@ def test_compiled_block_gpt_with_storage_traces_in_one_graph():
         got = compiled(idx, storage)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert not storage.isnan().any()
+
+
+def test_a_block_completed_under_grad_mode_after_a_graph_forming_read_is_written():
+    """An output that needs a gradient appended under no_grad, then a frozen
+    read under grad mode (its P' then has a graph), then the block's last
+    output under grad mode: the row is written (no graph through the rows)."""
+    D = 8
+    read = attnres.AttnResResidual(D).requires_grad_(False)
+    storage = torch.full((1, 2, D), float("nan"))
+    stream = attnres.DepthStream(torch.randn(2, D), 3, block_storage=storage)
+    first = torch.randn(2, D, requires_grad=True) * 2
+    with torch.no_grad():
+        stream.append(first)
+    stream.append(torch.randn(2, D))
+    read(stream)  # forms P' with a graph back to w
+    last = torch.randn(2, D)
+    stream.append(last)
+    assert stream.sources[1].data_ptr() == storage[0].data_ptr()
+    assert not storage.isnan().any()
