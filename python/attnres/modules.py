@@ -377,8 +377,7 @@ class DepthStream:
             self._partial = self._partial + f
         else:
             self._settle()
-            with torch.no_grad():  # the rows never carry a graph (inference)
-                self._partial = torch.add(self._partial, f, out=row)
+            self._partial = _add_into_row(self._partial, f, row)
         if row is not None and completes:
             self._storage_writes[0] += 1
             self._writes_seen = self._storage_writes[0]
@@ -725,6 +724,15 @@ class AttnResResidual(nn.Module):
         if self.out_norm is not None:
             text += f", out_norm={self.out_norm!r}, out_eps={self.out_eps}"
         return text
+
+
+def _add_into_row(partial: torch.Tensor, f: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """partial + f written into a block_storage row, without a graph (the rows
+    are for inference; under grad mode partial may have one)."""
+    if not torch.is_grad_enabled():
+        return torch.add(partial, f, out=row)
+    with torch.no_grad():
+        return torch.add(partial, f, out=row)
 
 
 def _inference_tensor_outside_inference_mode(t: torch.Tensor) -> bool:
