@@ -38,19 +38,20 @@ namespace cuda {
 
 namespace {
 
-// ATTNRES_CUDA_RING (parse_ring_switch, plan.h), read once: whether the
+// ATTNRES_CUDA_RING (parse_switch, plan.h), read once: whether the
 // forward and backward take their cp.async rings where planned ("1") or
 // never (unset or "0", the default).
 bool rings_allowed() {
-  static const bool allowed = parse_ring_switch(std::getenv("ATTNRES_CUDA_RING"));
+  static const bool allowed = parse_switch("ATTNRES_CUDA_RING", std::getenv("ATTNRES_CUDA_RING"), false);
   return allowed;
 }
 
-// ATTNRES_CUDA_FEW_TOKENS (parse_few_tokens_switch, plan.h), read once:
+// ATTNRES_CUDA_FEW_TOKENS (parse_switch, plan.h), read once:
 // whether the forward takes the few-token kernels where planned (unset or
 // "1", the default) or never ("0").
 bool few_tokens_allowed() {
-  static const bool allowed = parse_few_tokens_switch(std::getenv("ATTNRES_CUDA_FEW_TOKENS"));
+  static const bool allowed =
+      parse_switch("ATTNRES_CUDA_FEW_TOKENS", std::getenv("ATTNRES_CUDA_FEW_TOKENS"), true);
   return allowed;
 }
 

@@ -339,28 +339,23 @@ inline int64_t few_tokens_scratch_elems(const FewTokensPlan& plan, int64_t T, in
   return T * (N * 2 + (normed ? 3 : 0)) * plan.splits;
 }
 
-// ATTNRES_CUDA_FEW_TOKENS (value: the variable's text, or null when unset):
-// unset or "1" = the few-token kernels where plan_few_tokens takes them;
-// "0" = never (a test compares both paths on one shape). Any other value is
-// refused.
-inline bool parse_few_tokens_switch(const char* value) {
-  if (value == nullptr || std::string(value) == "1") return true;
-  TORCH_CHECK(std::string(value) == "0", "attnres: ATTNRES_CUDA_FEW_TOKENS must be unset, \"1\" ",
-              "(the few-token kernels where planned, the default) or \"0\" (never), not \"",
-              value, "\"");
-  return false;
-}
 
-// The run-time switch ATTNRES_CUDA_RING (value: the variable's text, or
-// null when unset): "1" = the forward and backward rings where their plans
-// take them; unset or "0" = never (the default: on an H200 the rings made
-// fp32 N = 16, D = 512 three times slower, benchmarks/results/NOTES.md).
-// Any other value is refused.
-inline bool parse_ring_switch(const char* value) {
-  if (value == nullptr || std::string(value) == "0") return false;
-  TORCH_CHECK(std::string(value) == "1", "attnres: ATTNRES_CUDA_RING must be unset, \"0\" (never ",
-              "the cp.async rings, the default) or \"1\" (rings where planned), not \"", value, "\"");
-  return true;
+// A run-time on/off switch, the environment variable `name` (value: its text,
+// or null when unset): "1" on, "0" off, unset `when_unset`; any other value is
+// refused.
+//  - ATTNRES_CUDA_RING (unset: off): the forward and backward cp.async rings
+//    where their plans take them (off by default: on an H200 the rings made
+//    fp32 N = 16, D = 512 three times slower, benchmarks/results/NOTES.md).
+//  - ATTNRES_CUDA_FEW_TOKENS (unset: on): the few-token kernels where
+//    plan_few_tokens takes them; "0" lets a test compare both paths on one
+//    shape.
+inline bool parse_switch(const char* name, const char* value, bool when_unset) {
+  if (value == nullptr) return when_unset;
+  const std::string text(value);
+  TORCH_CHECK(text == "0" || text == "1", "attnres: ", name, " must be unset (",
+              when_unset ? "on" : "off", ", the default), \"0\" (off) or \"1\" (on), not \"",
+              value, "\"");
+  return text == "1";
 }
 
 }  // namespace cuda

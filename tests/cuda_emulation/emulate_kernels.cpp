@@ -1121,25 +1121,8 @@ int main(int argc, char** argv) {
                   int(pc.want_stage), pc.want_vpt, pc.want_group, pc.want_tpc, pc.want_smem);
     }
   }
-  // ATTNRES_CUDA_RING: "1" = rings, unset or "0" = none, anything else refused.
-  {
-    bool ok = !parse_ring_switch(nullptr) && parse_ring_switch("1") && !parse_ring_switch("0");
-    for (const char* bad : {"", "2", "yes", "01"}) {
-      bool refused = false;
-      try {
-        parse_ring_switch(bad);
-      } catch (const c10::Error& e) {
-        refused = std::string(e.what()).find("ATTNRES_CUDA_RING") != std::string::npos;
-      }
-      ok = ok && refused;
-    }
-    failures += ok ? 0 : 1;
-    std::printf("%s ATTNRES_CUDA_RING: 1 -> rings, unset/0 -> none, other values refused\n",
-                ok ? "ok  " : "FAIL");
-  }
   // The few-token plan (plan_few_tokens): T <= 16, D >= 1024, N <= 1024, at
-  // least 2 slices of >= 256 columns, min(SMs / T, D / 256) of them; and its
-  // switch ATTNRES_CUDA_FEW_TOKENS (unset or 1: planned, 0: never).
+  // least 2 slices of >= 256 columns, min(SMs / T, D / 256) of them.
   {
     struct FewCase {
       const char* what;
@@ -1173,20 +1156,25 @@ int main(int argc, char** argv) {
                   ok ? "ok  " : "FAIL", fc.what, fp.splits, fp.vec, fp.slice, fp.threads,
                   fc.want_splits, fc.want_vec, fc.want_slice, fc.want_threads);
     }
-    bool ok = parse_few_tokens_switch(nullptr) && parse_few_tokens_switch("1") &&
-              !parse_few_tokens_switch("0");
-    for (const char* bad : {"", "2", "yes", "00"}) {
+  }
+  // The run-time switches (parse_switch): "1" on, "0" off, unset the
+  // default, any other value refused with the variable's name.
+  for (const auto& [name, when_unset] : {std::pair<const char*, bool>{"ATTNRES_CUDA_RING", false},
+                                         {"ATTNRES_CUDA_FEW_TOKENS", true}}) {
+    bool ok = parse_switch(name, nullptr, when_unset) == when_unset &&
+              parse_switch(name, "1", when_unset) && !parse_switch(name, "0", when_unset);
+    for (const char* bad : {"", "2", "yes", "01"}) {
       bool refused = false;
       try {
-        parse_few_tokens_switch(bad);
+        parse_switch(name, bad, when_unset);
       } catch (const c10::Error& e) {
-        refused = std::string(e.what()).find("ATTNRES_CUDA_FEW_TOKENS") != std::string::npos;
+        refused = std::string(e.what()).find(name) != std::string::npos;
       }
       ok = ok && refused;
     }
     failures += ok ? 0 : 1;
-    std::printf("%s ATTNRES_CUDA_FEW_TOKENS: unset/1 -> planned, 0 -> never, other values "
-                "refused\n", ok ? "ok  " : "FAIL");
+    std::printf("%s %s: 1 -> on, 0 -> off, unset -> %s, other values refused\n",
+                ok ? "ok  " : "FAIL", name, when_unset ? "on" : "off");
   }
   auto run = [&](auto tag, std::vector<Case> cases) {
     using scalar_t = decltype(tag);
