@@ -213,10 +213,10 @@ def test_second_derivatives_raise_a_clear_error():
         torch.autograd.functional.hessian(lambda qq: attnres.depth_attention(srcs, qq, g).sum(), q)
 
 
-def test_block_reads_second_derivatives_raise_and_first_ones_need_no_graph():
-    """Phase 1's and the merge's gradients: differentiating them again raises
-    (create_graph=True records the refusing node); a plain backward gives
-    the same first derivatives without a graph."""
+def test_block_reads_first_derivatives_agree_with_and_without_create_graph():
+    """Phase 1's and the merge's gradients: a plain backward (the backward
+    op alone) and one with create_graph=True (through the refusing node)
+    give the same bits, and differentiating the latter again raises."""
     gen = torch.Generator().manual_seed(11)
     srcs = make_sources(3, (2,), 8, torch.float64, "cpu", gen, requires_grad=True)
     qs = torch.randn(2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
