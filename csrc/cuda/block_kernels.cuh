@@ -452,6 +452,40 @@ __device__ __forceinline__ void merge_bwd_sweep(const MergeBackwardParams<scalar
   }
 }
 
+// Sweep 1 of a merge backward token, summed over the warp in sum_t (acc_t,
+// or WideType on the rare tokens): <dh, P - y> (the elementwise difference
+// first: nothing cancels beyond it) and <u, P>.
+template <typename scalar_t, int VEC, bool kNorm, typename sum_t>
+__device__ __forceinline__ void merge_bwd_dots(const MergeBackwardParams<scalar_t>& p, int64_t t,
+                                               at::opmath_type<scalar_t> nr,
+                                               at::opmath_type<scalar_t> nc, sum_t (&sums)[2]) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const scalar_t* g = p.grad_out + t * p.grad_stride;
+  const scalar_t* y = p.partial + t * p.partial_stride;
+  const scalar_t* P = p.block_sum + t * p.block_stride;
+  const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
+  sums[0] = sums[1] = sum_t(0);
+  for (int j = lane * VEC; j < p.D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+    const Pack<scalar_t, VEC> yv = load_global<scalar_t, VEC>(y + j);
+    const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
+    Pack<scalar_t, VEC> hv{};
+    if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
+      const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
+      const sum_t dh =
+          static_cast<sum_t>(merge_dh<kNorm>(static_cast<acc_t>(gv.x[e]), he, w, nr, nc));
+      const sum_t pe = static_cast<sum_t>(static_cast<acc_t>(pv.x[e]));
+      sums[0] += dh * (pe - static_cast<sum_t>(static_cast<acc_t>(yv.x[e])));
+      sums[1] += static_cast<sum_t>(p.u[j + e]) * pe;
+    }
+  }
+  warp_allreduce<32>(sums, 32);
+}
+
 // The rare tokens (math::backward_row_is_rare): the sums and coefficients
 // again in WideType, as cpu merge_token_wide; out of line.
 template <typename scalar_t, int VEC, bool kNorm>
@@ -464,28 +498,8 @@ __device__ ATTNRES_NOINLINE void merge_bwd_token_wide(const MergeBackwardParams<
   using W = typename math::WideType<acc_t>::type;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int D = p.D;
-  const scalar_t* g = p.grad_out + t * p.grad_stride;
-  const scalar_t* y = p.partial + t * p.partial_stride;
-  const scalar_t* P = p.block_sum + t * p.block_stride;
-  const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
-  W sums[2] = {W(0), W(0)};  // <dh, P - y>, <u, P>
-  for (int j = lane * VEC; j < D; j += 32 * VEC) {
-    const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
-    const Pack<scalar_t, VEC> yv = load_global<scalar_t, VEC>(y + j);
-    const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
-    Pack<scalar_t, VEC> hv{};
-    if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
-      const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
-      const W dh = static_cast<W>(merge_dh<kNorm>(static_cast<acc_t>(gv.x[e]), he, w, nr, nc));
-      const W pe = static_cast<W>(static_cast<acc_t>(pv.x[e]));
-      sums[0] += dh * (pe - static_cast<W>(static_cast<acc_t>(yv.x[e])));
-      sums[1] += static_cast<W>(p.u[j + e]) * pe;
-    }
-  }
-  warp_allreduce<32>(sums, 32);
+  W sums[2];
+  merge_bwd_dots<scalar_t, VEC, kNorm>(p, t, nr, nc, sums);
   const W a = p.weight[t], r = p.rstd[t], keep = W(1) - a;
   const auto c = math::source_grad_coefficients<W>(a, r, math::score(r, sums[1]),
                                                    keep * sums[0], W(0), D);
@@ -511,8 +525,6 @@ __global__ void __launch_bounds__(kBlockReadThreads)
   bool started = false;
   for (int64_t t = warp; t < p.T; t += warps) {
     const scalar_t* g = p.grad_out + t * p.grad_stride;
-    const scalar_t* y = p.partial + t * p.partial_stride;
-    const scalar_t* P = p.block_sum + t * p.block_stride;
     const scalar_t* h = kNorm ? p.h + t * p.h_stride : nullptr;
     // The fused norm's c = <dy w, h r_o> / D.
     acc_t nr = acc_t(0), nc = acc_t(0);
@@ -531,26 +543,8 @@ __global__ void __launch_bounds__(kBlockReadThreads)
       warp_allreduce<32>(c, 32);
       nc = c[0] / static_cast<acc_t>(D);
     }
-    // Sweep 1: <dh, P - y> (the elementwise difference first: nothing
-    // cancels beyond it) and <u, P>.
-    acc_t sums[2] = {acc_t(0), acc_t(0)};
-    for (int j = lane * VEC; j < D; j += 32 * VEC) {
-      const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
-      const Pack<scalar_t, VEC> yv = load_global<scalar_t, VEC>(y + j);
-      const Pack<scalar_t, VEC> pv = load_global<scalar_t, VEC>(P + j);
-      Pack<scalar_t, VEC> hv{};
-      if constexpr (kNorm) hv = load_global<scalar_t, VEC>(h + j);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const acc_t he = kNorm ? static_cast<acc_t>(hv.x[e]) : acc_t(0);
-        const acc_t w = kNorm ? p.norm_weight[j + e] : acc_t(0);
-        const acc_t dh = merge_dh<kNorm>(static_cast<acc_t>(gv.x[e]), he, w, nr, nc);
-        const acc_t pe = static_cast<acc_t>(pv.x[e]);
-        sums[0] += dh * (pe - static_cast<acc_t>(yv.x[e]));
-        sums[1] += p.u[j + e] * pe;
-      }
-    }
-    warp_allreduce<32>(sums, 32);
+    acc_t sums[2];
+    merge_bwd_dots<scalar_t, VEC, kNorm>(p, t, nr, nc, sums);
     const acc_t a = p.weight[t], r = p.rstd[t];
     const acc_t s = math::score(r, sums[1]), dp_rel = (acc_t(1) - a) * sums[0];
     const auto c = math::source_grad_coefficients(a, r, s, dp_rel, acc_t(0), D);

@@ -348,6 +348,28 @@ __device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
   }
 }
 
+// The cross-warp step of a group reduction (G > 32): lane 0 of each warp
+// writes its NV partials to `buf` (kStride values a warp), and every thread
+// adds its group's warps in warp order.
+template <int kStride, typename T, int NV, int kGroup>
+__device__ __forceinline__ void cross_warp_sum(T (&v)[NV], const ThreadPlace<kGroup>& pos,
+                                               T* buf) {
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) buf[warp * kStride + j] = v[j];
+  }
+  __syncthreads();
+  const int warps_per_group = pos.G >> 5;
+  const int first = pos.group * warps_per_group;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    T s = buf[first * kStride + j];
+    for (int w = 1; w < warps_per_group; ++w) s += buf[(first + w) * kStride + j];
+    v[j] = s;
+  }
+}
+
 // Sums NV values over the G threads of a group; every thread of the group
 // gets bitwise the same sums (xor butterflies add commutative pairs, the
 // cross-warp step adds the warps' partials in a fixed order). Block mode
@@ -356,26 +378,9 @@ __device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
 template <int NV, typename acc_t, int kGroup>
 __device__ __forceinline__ void group_allreduce(acc_t (&v)[NV], const ThreadPlace<kGroup>& pos,
                                                 acc_t* red, int& parity) {
-  const int G = pos.G;
-  warp_allreduce<kGroup>(v, G);
+  warp_allreduce<kGroup>(v, pos.G);
   if (pos.multi_warp()) {
-    acc_t* buf = red + parity * (kMaxWarps * kMaxReduce);
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) buf[warp * kMaxReduce + j] = v[j];
-    }
-    __syncthreads();
-    const int warps_per_group = G >> 5;
-    const int first = pos.group * warps_per_group;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      acc_t s = buf[first * kMaxReduce + j];
-      for (int w = 1; w < warps_per_group; ++w) {
-        s += buf[(first + w) * kMaxReduce + j];
-      }
-      v[j] = s;
-    }
+    cross_warp_sum<kMaxReduce>(v, pos, red + parity * (kMaxWarps * kMaxReduce));
     parity ^= 1;
   }
 }
@@ -390,25 +395,10 @@ __device__ __forceinline__ void group_allreduce_wide(double (&v)[NV],
   static_assert(NV * kMaxWarps * sizeof(double) <=
                     2 * kMaxWarps * kMaxReduce * sizeof(float),
                 "reduction buffer too small for the wide reduction");
-  const int G = pos.G;
-  warp_allreduce<kGroup>(v, G);
+  warp_allreduce<kGroup>(v, pos.G);
   if (pos.multi_warp()) {
-    double* buf = static_cast<double*>(red);
     __syncthreads();  // earlier readers of red are done
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) buf[warp * NV + j] = v[j];
-    }
-    __syncthreads();
-    const int warps_per_group = G >> 5;
-    const int first = pos.group * warps_per_group;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      double s = buf[first * NV + j];
-      for (int w = 1; w < warps_per_group; ++w) s += buf[(first + w) * NV + j];
-      v[j] = s;
-    }
+    cross_warp_sum<NV>(v, pos, static_cast<double*>(red));
     __syncthreads();  // before red is reused
   }
 }
