@@ -459,8 +459,8 @@ class DepthStream:
         if self.block_reads == "two_phase":
             return "always"
         if self.device.type == "cuda":
-            # CUDA kernels for every phase op, not yet run on a GPU: used when
-            # asked for ("two_phase"), training included (design §10).
+            # CUDA: two-phase only when asked for ("two_phase"), training
+            # included; the auto rule on a GPU is open (design §10).
             return None
         return "auto-small" if self.embedding.numel() <= _AUTO_ONE_CALL_INFERENCE_NUMEL else "auto"
 
