@@ -254,11 +254,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
   // Reader 0's fused output norm: h_0 is written (to the kept h, else to
   // y_0's row) and normalized from L1 into y_0 (row_normed_store, as the
   // one-call read; h_0 is already rounded, so the factor is 1).
-  const OutNormForward* norm = call.out_norm;
-  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
-  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
-  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
-  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
+  const OutNormStore<scalar_t> norm(call.out_norm);
   const int64_t tile = std::min(phase1_tile<scalar_t>(N, D), T);  // as one call's forward
   at::parallel_for(0, T, parallel_grain((N + S) * D, tile), [&](int64_t t_begin, int64_t t_end) {
     std::vector<acc_t> hbuf(norm ? D : 0);
@@ -302,7 +298,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         }
         // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
         for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
-        if (h_keep) out_rows[0] = h_keep + t * D;
+        if (norm.h) out_rows[0] = norm.h + t * D;
         rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
         if (rescued[k]) {
           // Rows near the dtype's limits: each y_s again, kept finite (an
@@ -315,8 +311,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         }
         if (norm) {
           row_load(hbuf.data(), out_rows[0], D);
-          norm_rstd[t] = row_normed_store(out_p[0] + t * D, static_cast<scalar_t*>(nullptr),
-                                          hbuf.data(), acc_t(1), norm_w, norm_eps, D);
+          norm.store(t, out_p[0] + t * D, nullptr, hbuf.data(), acc_t(1), D);
         }
       }
     }
@@ -411,14 +406,8 @@ void block_reads_token_wide(const std::vector<RowsOf<scalar_t>>& src, int64_t t,
   }
   for (int64_t s = 0; s < S; ++s) {
     auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
-    math::Pivot<acc_t> pivot;  // on the acc_t weights, as the fast path
-    for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
-    const int64_t piv = pivot.pivoted() ? pivot.index : -1;
-    const W dp_piv = piv >= 0 ? dp[s * N + piv] : W(0);
-    W sum_rel = 0;
-    for (int64_t j = 0; j < N; ++j) {
-      if (j != piv) sum_rel += static_cast<W>(weight(j)) * (dp[s * N + j] - dp_piv);
-    }
+    // The pivot is taken on the acc_t weights, as in the fast path.
+    auto [dp_piv, sum_rel] = pivoted_sum<W>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
     if (dlse_p) sum_rel -= static_cast<W>(dlse_p[s * T + t]);
     for (int64_t i = 0; i < N; ++i) {
       const auto g = math::source_grad_coefficients<W>(
@@ -471,11 +460,8 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   // norm's rstd (row_normed_grad); dy_0 * n goes to the chunk's partial row
   // of the out_weight gradient (fixed-order sum, as z).
   const OutNormBackward* norm = has_dy ? call.out_norm : nullptr;
-  const bool want_dw = norm && norm->grad_weight.defined();
-  std::optional<RowsOf<scalar_t>> h_rows;
-  if (norm) h_rows.emplace(*call.h);
-  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
-  const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
+  const OutNormGrad<scalar_t> norm_grad(norm, call.h);
+  const bool want_dw = norm_grad.want_dw;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
   // Each token reads N completed rows and S gradient rows.
@@ -504,7 +490,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
       for (int64_t t = c * chunks.size; t < t_end; ++t) {
         for (int64_t s = 0; s < S && has_dy; ++s) {
           if (s == 0 && norm) {
-            row_normed_grad(dy.data(), dy_src[0].row(t), h_rows->row(t), norm_w, norm_r[t], dw, D);
+            norm_grad.grad(dy.data(), t, dy_src[0].row(t), dw, D);
           } else {
             row_load(dy.data() + s * D, dy_src[s].row(t), D);
           }
@@ -527,14 +513,8 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
         bool rare = false;
         for (int64_t s = 0; s < S; ++s) {
           auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
-          math::Pivot<acc_t> pivot;
-          for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
-          const int64_t piv = pivot.pivoted() ? pivot.index : -1;
-          const acc_t dp_piv = piv >= 0 ? dp[s * N + piv] : acc_t(0);
-          acc_t sum_rel = 0;
-          for (int64_t j = 0; j < N; ++j) {
-            if (j != piv) sum_rel += weight(j) * (dp[s * N + j] - dp_piv);
-          }
+          auto [dp_piv, sum_rel] =
+              pivoted_sum<acc_t>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
           if (dlse_p) sum_rel -= static_cast<acc_t>(dlse_p[s * T + t]);  // inf: a rare token
           for (int64_t i = 0; i < N; ++i) {
             const acc_t a = weight(i), r = rstd_p[i * T + t], dp_rel = dp[s * N + i] - dp_piv;
@@ -587,11 +567,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
   acc_t* w_p = call.weight.data_ptr<acc_t>();
   // The fused output norm: h lands in an L1 row first (rounded to scalar_t
   // by row_normed_store, as in the one-call read), then y (and h if kept).
-  const OutNormForward* norm = call.out_norm;
-  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
-  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
-  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
-  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
+  const OutNormStore<scalar_t> norm(call.out_norm);
   // The fused prefix add: the token's P' row formed first, then read from L1.
   std::optional<RowsOf<scalar_t>> delta_rows;
   if (call.prefix) delta_rows.emplace(call.prefix->delta);
@@ -626,8 +602,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
         const acc_t w[2] = {keep, take};
         row_average_kept_finite(rescue_row.data(), rows, w, 2, D);
         if (norm) {
-          norm_rstd[t] = row_normed_store(out, h_keep ? h_keep + t * D : nullptr,
-                                          rescue_row.data(), f, norm_w, norm_eps, D);
+          norm.store(t, out, norm.h_row(t, D), rescue_row.data(), f, D);
         } else {
           for (int64_t c = 0; c < D; ++c) out[c] = static_cast<scalar_t>(rescue_row[c] * f);
         }
@@ -648,8 +623,7 @@ void merge_forward_impl(const MergeForwardCall& call) {
                                           static_cast<acc_t>(P[j]));
         }
         // y may be the consumed partial_out (in place): its row is in hb now.
-        norm_rstd[t] = row_normed_store(out, h_keep ? h_keep + t * D : nullptr, hb, f, norm_w,
-                                        norm_eps, D);
+        norm.store(t, out, norm.h_row(t, D), hb, f, D);
         continue;
       }
       for (; j + L::kStep <= D; j += L::kStep) {
@@ -794,11 +768,8 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   // dy * n goes to the chunk's partial row of the out_weight gradient, so
   // that gradient is summed in a fixed order too.
   const OutNormBackward* norm = call.out_norm;
-  const bool want_dw = norm && norm->grad_weight.defined();
-  std::optional<RowsOf<scalar_t>> h_rows;
-  if (norm) h_rows.emplace(*call.h);
-  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
-  const acc_t* norm_r = norm ? norm->rstd.const_data_ptr<acc_t>() : nullptr;
+  const OutNormGrad<scalar_t> norm_grad(norm, call.h);
+  const bool want_dw = norm_grad.want_dw;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
   // The prefix add's P' gradient, added to the token's dP row while in L1.
   std::optional<RowsOf<scalar_t>> sum_grad_rows;
@@ -817,8 +788,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
         scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
         double* dlse = dlse_p ? dlse_p + t : nullptr;
         if (norm) {
-          row_normed_grad(dh_buf.data(), dh_rows.row(t), h_rows->row(t), norm_w, norm_r[t], dw,
-                          D);
+          norm_grad.grad(dh_buf.data(), t, dh_rows.row(t), dw, D);
           merge_token_grad(static_cast<const acc_t*>(dh_buf.data()), y_rows.row(t),
                            p_rows.row(t), u, w_p[t], rstd_p[t], D, dy, dlse, dP, z);
         } else {

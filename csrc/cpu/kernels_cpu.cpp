@@ -429,11 +429,7 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call,
   acc_t* w_p = call.weights.data_ptr<acc_t>();
   // The fused output norm (docs/design.md §11): y instead of h, h kept
   // where asked.
-  const OutNormForward* norm = call.out_norm;
-  const acc_t* norm_w = norm ? norm->weight.const_data_ptr<acc_t>() : nullptr;
-  const acc_t norm_eps = norm ? static_cast<acc_t>(norm->eps) : acc_t(0);
-  acc_t* norm_rstd = norm ? norm->rstd.data_ptr<acc_t>() : nullptr;
-  scalar_t* h_keep = norm && norm->h.defined() ? norm->h.data_ptr<scalar_t>() : nullptr;
+  const OutNormStore<scalar_t> norm(call.out_norm);
   // (At most T tokens: a decode-sized call allocates and clears no more
   // scratch than it uses; the loops below run as with the full tile.)
   const int64_t tile = std::min(forward_tile<acc_t>(D), T);
@@ -498,9 +494,8 @@ void forward_impl(const SourceRows<scalar_t>& src, const ForwardCall& call,
           row_average_kept_finite(acc.data() + k * D, rows.data(), w.data(), N, D);
         }
         if (norm) {
-          norm_rstd[t] = row_normed_store(out_p + t * D, h_keep ? h_keep + t * D : nullptr,
-                                          acc.data() + k * D, sm[k].out_factor(), norm_w,
-                                          norm_eps, D);
+          norm.store(t, out_p + t * D, norm.h_row(t, D), acc.data() + k * D,
+                     sm[k].out_factor(), D);
         } else {
           row_scale_store(out_p + t * D, acc.data() + k * D, sm[k].out_factor(), D);
         }
@@ -568,31 +563,62 @@ std::vector<scalar_t*> wanted_grad_rows(const BackwardCall& call, int64_t N) {
 template <typename scalar_t>
 struct IncomingGrad {
   using acc_t = at::opmath_type<scalar_t>;
-  Rows dy_rows, h_rows;
-  const scalar_t* dy = nullptr;
-  const scalar_t* h = nullptr;
-  const acc_t* w = nullptr;
-  const acc_t* r = nullptr;
-  bool want_dw = false;
+  RowsOf<scalar_t> dy;
+  OutNormGrad<scalar_t> norm;  // h is the call's out
   int64_t D;
 
-  explicit IncomingGrad(const BackwardCall& call) : D(call.problem.D) {
-    dy_rows = as_rows(call.grad_out);
-    dy = dy_rows.tensor.template const_data_ptr<scalar_t>();
-    if (const OutNormBackward* norm = call.out_norm) {
-      h_rows = as_rows(call.out);
-      h = h_rows.tensor.template const_data_ptr<scalar_t>();
-      w = norm->weight.template const_data_ptr<acc_t>();
-      r = norm->rstd.template const_data_ptr<acc_t>();
-      want_dw = norm->grad_weight.defined();
+  explicit IncomingGrad(const BackwardCall& call)
+      : dy(call.grad_out), norm(call.out_norm, &call.out), D(call.problem.D) {}
+  void load(acc_t* dh, int64_t t, acc_t* dw) const {
+    if (norm) {
+      norm.grad(dh, t, dy.row(t), dw, D);
+    } else {
+      row_load(dh, dy.row(t), D);
     }
   }
-  void load(acc_t* dh, int64_t t, acc_t* dw) const {
-    const scalar_t* dy_t = dy + t * dy_rows.row_stride;
-    if (h) {
-      row_normed_grad(dh, dy_t, h + t * h_rows.row_stride, w, r[t], dw, D);
-    } else {
-      row_load(dh, dy_t, D);
+};
+
+// A backward call as both backwards take it: its sizes and saved tensors,
+// the incoming gradient, the source-gradient rows to write, and the token
+// chunks with their partial rows of z and of the norm weight's gradient
+// (summed by finish). The dtype picks single_pass or two_pass (below).
+template <typename scalar_t>
+struct Backward {
+  using acc_t = at::opmath_type<scalar_t>;
+  const BackwardCall& call;
+  const SourceRows<scalar_t>& src;
+  const int64_t N = call.problem.N, D = call.problem.D, T = call.problem.T;
+  const acc_t* u = call.u.const_data_ptr<acc_t>();
+  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
+  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
+  // The weights' own gradient enters as dp_i += grad_weights_i
+  // (docs/design.md §2).
+  const acc_t* gw_p = call.grad_weights.defined()
+                          ? call.grad_weights.const_data_ptr<acc_t>()
+                          : nullptr;
+  const IncomingGrad<scalar_t> incoming{call};
+  const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
+  const bool want_z = call.z.defined();
+  const bool stream = stream_grads(dv_p, T, D);
+
+  const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
+  const int64_t chunk = chunks.size, n_chunks = chunks.count;
+  const int64_t tile = std::min(backward_tile<scalar_t>(N, D), T);  // as the forward's
+  std::vector<acc_t> partial = std::vector<acc_t>(
+      want_z ? static_cast<size_t>(n_chunks * D) : 0, acc_t(0));
+  std::vector<acc_t> partial_dw = std::vector<acc_t>(
+      incoming.norm.want_dw ? static_cast<size_t>(n_chunks * D) : 0, acc_t(0));
+
+  Backward(const BackwardCall& call_, const SourceRows<scalar_t>& src_)
+      : call(call_), src(src_) {}
+  void single_pass();
+  void two_pass();
+  void backward_token_wide(int64_t t, const acc_t* dh, acc_t* z) const;
+  // The chunks' partial rows, summed in a fixed order.
+  void finish() const {
+    if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
+    if (incoming.norm.want_dw) {
+      sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
     }
   }
 };
@@ -601,16 +627,10 @@ struct IncomingGrad {
 // accumulation, long double for fp64): the rare tokens whose rows are near
 // the dtype's limits (math::backward_row_is_rare). Scalar and slow, but the
 // products <dh, v>, <u, v> and r^2 of any finite inputs fit in it.
-template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
-                         int64_t N, int64_t D, const acc_t* dh, const acc_t* u,
-                         const acc_t* rstd_p, const acc_t* w_p,
-                         const acc_t* gw_p, const std::vector<scalar_t*>& dv_p,
-                         acc_t* z) {
+template <typename scalar_t>
+void Backward<scalar_t>::backward_token_wide(int64_t t, const acc_t* dh, acc_t* z) const {
   using W = typename math::WideType<acc_t>::type;
   std::vector<W> dp(N), sc(N);
-  math::Pivot<acc_t> pivot;
-  for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
   for (int64_t i = 0; i < N; ++i) {
     const scalar_t* v = src.row(i, t);
     W dot_dh = 0, dot_u = 0;
@@ -624,12 +644,8 @@ void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
     sc[i] = math::score(static_cast<W>(rstd_p[i * T + t]), dot_u);
   }
   // The pivoted form when a weight dominates (depth_math.h).
-  const int64_t piv = pivot.pivoted() ? pivot.index : -1;
-  const W dp_pivot = piv >= 0 ? dp[piv] : W(0);
-  W sum_rel = 0;
-  for (int64_t j = 0; j < N; ++j) {
-    if (j != piv) sum_rel += static_cast<W>(w_p[j * T + t]) * (dp[j] - dp_pivot);
-  }
+  const auto [dp_pivot, sum_rel] = pivoted_sum<W>(N, [&](int64_t j) { return w_p[j * T + t]; },
+                                                   [&](int64_t j) { return dp[j]; });
   for (int64_t i = 0; i < N; ++i) {
     if (!dv_p[i] && !z) continue;
     const scalar_t* v = src.row(i, t);
@@ -649,7 +665,7 @@ void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
 }
 
 // The single-pass backward of float32/float64 sources (docs/design.md §2,
-// §6, §8; bfloat16/float16 take backward_impl_two_pass below): per token,
+// §6, §8; bfloat16/float16 take two_pass below): per token,
 // sum_j a_j dp_j = <dh, h> comes from the forward's output h, so each
 // source row is read from memory once: one sweep forms dp_i and <u, v_i>,
 // and the next sweep, from L1, writes dv_i and adds alpha_i v_i to the
@@ -659,33 +675,9 @@ void backward_token_wide(const SourceRows<scalar_t>& src, int64_t t, int64_t T,
 // per source and recomputed afterwards in the wide type; their partial z
 // is dropped, so nothing is counted twice.
 template <typename scalar_t>
-void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const DepthProblem& p = call.problem;
-  const int64_t N = p.N, D = p.D, T = p.T;
-  const acc_t* u = call.u.const_data_ptr<acc_t>();
-  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
-  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
-  // The weights' own gradient enters as dp_i += grad_weights_i
-  // (docs/design.md §2).
-  const acc_t* gw_p = call.grad_weights.defined()
-                          ? call.grad_weights.const_data_ptr<acc_t>()
-                          : nullptr;
-  const IncomingGrad<scalar_t> incoming(call);
+void Backward<scalar_t>::single_pass() {
   Rows h_rows = as_rows(call.out);
   const scalar_t* h_p = h_rows.tensor.const_data_ptr<scalar_t>();
-  const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
-  const bool want_z = call.z.defined();
-  const bool stream = stream_grads(dv_p, T, D);
-
-  const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
-  const int64_t chunk = chunks.size, n_chunks = chunks.count;
-  const int64_t tile = std::min(backward_tile<scalar_t>(N, D), T);  // as the forward's
-  std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
-                             acc_t(0));
-  std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
-                                acc_t(0));
-
   at::parallel_for(0, n_chunks, parallel_grain(chunk * N * D), [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
     // z accumulates alpha_i v_i straight into the chunk's row (in L1); the
@@ -729,7 +721,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
     };
     for (int64_t c = c_begin; c < c_end; ++c) {
       z = want_z ? partial.data() + c * D : nullptr;
-      acc_t* dw = incoming.want_dw ? partial_dw.data() + c * D : nullptr;
+      acc_t* dw = incoming.norm.want_dw ? partial_dw.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
       for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
@@ -834,18 +826,13 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
         }
         for (int64_t k = 0; k < n_tok; ++k) {
           if (rare[k]) {
-            backward_token_wide(src, t0 + k, T, N, D, dh.data() + k * D, u, rstd_p,
-                                w_p, gw_p, dv_p, z);
+            backward_token_wide(t0 + k, dh.data() + k * D, z);
           }
         }
       }
     }
     if (stream) store_fence();
   });
-  if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
-  if (incoming.want_dw) {
-    sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
-  }
 }
 
 // The two-pass backward, kept for bfloat16/float16 sources: their h is
@@ -854,31 +841,7 @@ void backward_impl(const BackwardCall& call, const SourceRows<scalar_t>& src) {
 // sum_j a_j dp_j comes from the weights and the dp_j instead. Pass 1:
 // dp_i, s_i; pass 2 (rows re-read, from L2 within a tile): dv_i, z.
 template <typename scalar_t>
-void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>& src) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const DepthProblem& p = call.problem;
-  const int64_t N = p.N, D = p.D, T = p.T;
-  const acc_t* u = call.u.const_data_ptr<acc_t>();
-  const acc_t* rstd_p = call.rstd.const_data_ptr<acc_t>();
-  const acc_t* w_p = call.weights.const_data_ptr<acc_t>();
-  // The weights' own gradient enters as dp_i += grad_weights_i
-  // (docs/design.md §2).
-  const acc_t* gw_p = call.grad_weights.defined()
-                          ? call.grad_weights.const_data_ptr<acc_t>()
-                          : nullptr;
-  const IncomingGrad<scalar_t> incoming(call);
-  const std::vector<scalar_t*> dv_p = wanted_grad_rows<scalar_t>(call, N);
-  const bool want_z = call.z.defined();
-  const bool stream = stream_grads(dv_p, T, D);
-
-  const TokenChunks chunks = parameter_grad_chunks(T, D, sizeof(acc_t));
-  const int64_t chunk = chunks.size, n_chunks = chunks.count;
-  const int64_t tile = std::min(backward_tile<scalar_t>(N, D), T);  // as the forward's
-  std::vector<acc_t> partial(want_z ? static_cast<size_t>(n_chunks * D) : 0,
-                             acc_t(0));
-  std::vector<acc_t> partial_dw(incoming.want_dw ? static_cast<size_t>(n_chunks * D) : 0,
-                                acc_t(0));
-
+void Backward<scalar_t>::two_pass() {
   at::parallel_for(0, n_chunks, parallel_grain(chunk * N * D), [&](int64_t c_begin, int64_t c_end) {
     std::vector<acc_t> dh(tile * D);
     std::vector<acc_t> dp(N * tile), sc(N * tile), sum_rel(tile), dp_pivot(tile);
@@ -886,7 +849,7 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
     std::vector<char> rare(tile);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;
-      acc_t* dw = incoming.want_dw ? partial_dw.data() + c * D : nullptr;
+      acc_t* dw = incoming.norm.want_dw ? partial_dw.data() + c * D : nullptr;
       const int64_t c_end_tok = std::min(T, (c + 1) * chunk);
       for (int64_t t0 = c * chunk; t0 < c_end_tok; t0 += tile) {
         const int64_t n_tok = std::min(tile, c_end_tok - t0);
@@ -909,16 +872,10 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
         // (depth_math.h; otherwise the plain sum, pivot dp 0).
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
-          math::Pivot<acc_t> pivot;
-          for (int64_t i = 0; i < N; ++i) pivot.see(i, w_p[i * T + t]);
-          const int64_t piv = pivot.pivoted() ? pivot.index : -1;
-          const acc_t d_p = piv >= 0 ? dp[piv * tile + k] : acc_t(0);
-          acc_t sum = 0;
-          for (int64_t j = 0; j < N; ++j) {
-            if (j != piv) sum += w_p[j * T + t] * (dp[j * tile + k] - d_p);
-          }
-          dp_pivot[k] = d_p;
-          sum_rel[k] = sum;
+          const auto sum = pivoted_sum<acc_t>(N, [&](int64_t j) { return w_p[j * T + t]; },
+                                              [&](int64_t j) { return dp[j * tile + k]; });
+          dp_pivot[k] = sum.dp_pivot;
+          sum_rel[k] = sum.rel;
           rare[k] = 0;
         }
         // The coefficients, and the rare tokens (rows near the dtype's
@@ -946,17 +903,12 @@ void backward_impl_two_pass(const BackwardCall& call, const SourceRows<scalar_t>
         }
         for (int64_t k = 0; k < n_tok; ++k) {
           if (!rare[k]) continue;
-          backward_token_wide(src, t0 + k, T, N, D, dh.data() + k * D, u, rstd_p,
-                              w_p, gw_p, dv_p, z);
+          backward_token_wide(t0 + k, dh.data() + k * D, z);
         }
       }
     }
     if (stream) store_fence();
   });
-  if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
-  if (incoming.want_dw) {
-    sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
-  }
 }
 
 }  // namespace
@@ -980,11 +932,13 @@ void backward(const BackwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
+        Backward<scalar_t> b(call, src);
         if constexpr (Lanes<scalar_t>::kReduced) {
-          backward_impl_two_pass<scalar_t>(call, src);
+          b.two_pass();
         } else {
-          backward_impl<scalar_t>(call, src);
+          b.single_pass();
         }
+        b.finish();
       });
 }
 

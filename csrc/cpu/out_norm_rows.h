@@ -1,7 +1,9 @@
 // The fused output norm's row epilogue and prologue (docs/design.md §11),
-// shared by the one-call kernels (kernels_cpu.cpp) and the two-phase merge
-// (block_reads_cpu.cpp). Like vec_rows.h, only for the files built with the
-// vector ISA flags: an anonymous namespace gives each its own copy.
+// and its call's tensors as the kernels take them (OutNormStore,
+// OutNormGrad), shared by the one-call kernels (kernels_cpu.cpp) and the
+// Block reads (block_reads_cpu.cpp). Like vec_rows.h, only for the files
+// built with the vector ISA flags: an anonymous namespace gives each its
+// own copy.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -9,9 +11,11 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 #include "attnres/depth_math.h"
+#include "attnres/op_sequence.h"  // OutNormForward, OutNormBackward
 #include "vec_rows.h"
 
 namespace attnres {
@@ -93,17 +97,24 @@ void row_normed_grad(acc_t* dh, const scalar_t* dy, const scalar_t* h, const acc
   using L = Lanes<scalar_t>;
   using AVec = typename L::AVec;
   const AVec rv(r);
+  // One step of dy, g = dy * w and n = h r: both sweeps form them alike.
+  auto g_and_n = [&](int64_t j, AVec (&dyv)[L::kParts], AVec (&g)[L::kParts],
+                     AVec (&n)[L::kParts]) {
+    AVec hv[L::kParts];
+    L::load(dy + j, dyv);
+    L::load(h + j, hv);
+    for (int k = 0; k < L::kParts; ++k) {
+      g[k] = dyv[k] * AVec::loadu(w + j + k * AVec::size());
+      n[k] = hv[k] * rv;
+    }
+  };
   AVec cs[L::kParts];
   for (int k = 0; k < L::kParts; ++k) cs[k] = AVec(acc_t(0));
   int64_t j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
-    AVec dyv[L::kParts], hv[L::kParts];
-    L::load(dy + j, dyv);
-    L::load(h + j, hv);
-    for (int k = 0; k < L::kParts; ++k) {
-      const int64_t jk = j + k * AVec::size();
-      cs[k] = at::vec::fmadd(dyv[k] * AVec::loadu(w + jk), hv[k] * rv, cs[k]);
-    }
+    AVec dyv[L::kParts], g[L::kParts], n[L::kParts];
+    g_and_n(j, dyv, g, n);
+    for (int k = 0; k < L::kParts; ++k) cs[k] = at::vec::fmadd(g[k], n[k], cs[k]);
   }
   acc_t c = hsum(cs[0]);
   if constexpr (L::kParts == 2) c += hsum(cs[1]);
@@ -114,14 +125,12 @@ void row_normed_grad(acc_t* dh, const scalar_t* dy, const scalar_t* h, const acc
   const AVec cv(c);
   j = 0;
   for (; j + L::kStep <= D; j += L::kStep) {
-    AVec dyv[L::kParts], hv[L::kParts];
-    L::load(dy + j, dyv);
-    L::load(h + j, hv);
+    AVec dyv[L::kParts], g[L::kParts], n[L::kParts];
+    g_and_n(j, dyv, g, n);
     for (int k = 0; k < L::kParts; ++k) {
       const int64_t jk = j + k * AVec::size();
-      const AVec n = hv[k] * rv;
-      math::out_norm_grad(rv, dyv[k] * AVec::loadu(w + jk), cv, n).store(dh + jk);
-      if (dw) at::vec::fmadd(dyv[k], n, AVec::loadu(dw + jk)).store(dw + jk);
+      math::out_norm_grad(rv, g[k], cv, n[k]).store(dh + jk);
+      if (dw) at::vec::fmadd(dyv[k], n[k], AVec::loadu(dw + jk)).store(dw + jk);
     }
   }
   for (; j < D; ++j) {
@@ -131,6 +140,61 @@ void row_normed_grad(acc_t* dh, const scalar_t* dy, const scalar_t* h, const acc
     if (dw) dw[j] += dyj * n;
   }
 }
+
+// The fused output norm of a forward (OutNormForward) as pointers, all
+// null without it (then false): the norm's weight, eps, the r per token to
+// set, and the h to keep (null: not kept).
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+struct OutNormStore {
+  const acc_t* w = nullptr;
+  acc_t eps = 0;
+  acc_t* rstd = nullptr;
+  scalar_t* h = nullptr;
+  bool on = false;
+
+  explicit OutNormStore(const OutNormForward* norm) {
+    if (!norm) return;
+    on = true;
+    w = norm->weight.const_data_ptr<acc_t>();
+    eps = static_cast<acc_t>(norm->eps);
+    rstd = norm->rstd.data_ptr<acc_t>();
+    if (norm->h.defined()) h = norm->h.data_ptr<scalar_t>();
+  }
+  explicit operator bool() const { return on; }
+  // Token t's row of the kept h, or null.
+  scalar_t* h_row(int64_t t, int64_t D) const { return h ? h + t * D : nullptr; }
+  // Token t's y row (and h_out where set) from its accumulator row, and
+  // its r (row_normed_store).
+  void store(int64_t t, scalar_t* y, scalar_t* h_out, const acc_t* acc, acc_t factor,
+             int64_t D) const {
+    rstd[t] = row_normed_store(y, h_out, acc, factor, w, eps, D);
+  }
+};
+
+// The fused output norm of a backward (OutNormBackward) as rows and
+// pointers, empty without it (then false): the forward's h (any strides),
+// the norm's weight and the forward's r per token.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+struct OutNormGrad {
+  std::optional<RowsOf<scalar_t>> h;
+  const acc_t* w = nullptr;
+  const acc_t* r = nullptr;
+  bool want_dw = false;  // the weight's gradient is to be set
+
+  OutNormGrad(const OutNormBackward* norm, const at::Tensor* h_saved) {
+    if (!norm) return;
+    h.emplace(*h_saved);
+    w = norm->weight.const_data_ptr<acc_t>();
+    r = norm->rstd.const_data_ptr<acc_t>();
+    want_dw = norm->grad_weight.defined();
+  }
+  explicit operator bool() const { return h.has_value(); }
+  // Token t's dh row from its dy row; dw += dy * n where dw is set
+  // (row_normed_grad).
+  void grad(acc_t* dh, int64_t t, const scalar_t* dy, acc_t* dw, int64_t D) const {
+    row_normed_grad(dh, dy, h->row(t), w, r[t], dw, D);
+  }
+};
 
 }  // namespace
 }  // namespace cpu
