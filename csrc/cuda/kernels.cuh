@@ -848,40 +848,30 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
   sm.m = acc_t(0);
   sm.l = acc_t(1);
   for (int i = 0; i < pos.N; ++i) {
-    // The plain sums in row_dots' order (the same bits as the fast path),
-    // then the rescued ones.
-    acc_t sums[2] = {acc_t(0), acc_t(0)};
+    // <x, x> and <u, x> over the group for x = v_i * scale. With scale 1
+    // (x * 1 is x): the plain sums in row_dots' order, the same bits as the
+    // fast path; then the rescued ones.
+    auto sums_of = [&](acc_t scale, acc_t (&sums)[2]) {
+      sums[0] = sums[1] = acc_t(0);
 #pragma unroll 1
-    for (int k = 0; k < VPT; ++k) {
-      const int c = (k * pos.G + pos.lane) * VEC;
-      if (c < pos.D) {
-        const Row v = forward_source_pack<scalar_t, VEC>(p, i, t, c);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const acc_t x = static_cast<acc_t>(v.x[e]);
-          sums[0] += x * x;
-          sums[1] += p.u[c + e] * x;
-        }
-      }
-    }
-    group_allreduce<2>(sums, pos, red, parity);
-    const bool need = math::row_needs_rescale(sums[0], sums[1], p.eps);
-    const acc_t scale = need ? math::rescale_factor(sums[0]) : acc_t(1);
-    acc_t scaled[2] = {acc_t(0), acc_t(0)};
-#pragma unroll 1
-    for (int k = 0; k < VPT; ++k) {
-      const int c = (k * pos.G + pos.lane) * VEC;
-      if (c < pos.D) {
+      for (int k = 0; k < VPT; ++k) {
+        const int c = (k * pos.G + pos.lane) * VEC;
+        if (c >= pos.D) continue;
         const Row v = forward_source_pack<scalar_t, VEC>(p, i, t, c);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const acc_t x = static_cast<acc_t>(v.x[e]) * scale;
-          scaled[0] += x * x;
-          scaled[1] += p.u[c + e] * x;
+          sums[0] += x * x;
+          sums[1] += p.u[c + e] * x;
         }
       }
-    }
-    group_allreduce<2>(scaled, pos, red, parity);
+      group_allreduce<2>(sums, pos, red, parity);
+    };
+    acc_t sums[2], scaled[2];
+    sums_of(acc_t(1), sums);
+    const bool need = math::row_needs_rescale(sums[0], sums[1], p.eps);
+    const acc_t scale = need ? math::rescale_factor(sums[0]) : acc_t(1);
+    sums_of(scale, scaled);
     acc_t r, sc;
     if (need) {
       math::rescaled_stats(scaled[0], scaled[1], scale, static_cast<int64_t>(pos.D), p.eps, r, sc);
@@ -911,25 +901,12 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
 #pragma unroll
       for (int e = 0; e < VEC; ++e) h[e] = norm_input<scalar_t>(h[e] * f);
     };
-    acc_t ss[1] = {acc_t(0)};
-    if (store) {
+    // <x, x> over the group for x = h * scale (the packs summed where
+    // `sum`; every thread takes part in the reduction).
+    auto sum_squares = [&](bool sum, acc_t scale) {
+      acc_t ss[1] = {acc_t(0)};
 #pragma unroll 1
-      for (int k = 0; k < VPT; ++k) {
-        const int c = (k * pos.G + pos.lane) * VEC;
-        if (c >= pos.D) continue;
-        acc_t h[VEC];
-        h_pack(c, h);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) ss[0] += h[e] * h[e];
-      }
-    }
-    group_allreduce<1>(ss, pos, red, parity);
-    const bool rescale = store && math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
-    const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
-    acc_t sc[1] = {acc_t(0)};
-    if (rescale) {
-#pragma unroll 1
-      for (int k = 0; k < VPT; ++k) {
+      for (int k = 0; sum && k < VPT; ++k) {
         const int c = (k * pos.G + pos.lane) * VEC;
         if (c >= pos.D) continue;
         acc_t h[VEC];
@@ -937,14 +914,19 @@ __device__ __forceinline__ int forward_token_rescue(const ForwardParams<scalar_t
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const acc_t x = h[e] * scale;
-          sc[0] += x * x;
+          ss[0] += x * x;
         }
       }
-    }
-    group_allreduce<1>(sc, pos, red, parity);
-    const acc_t r = rescale ? math::out_norm_rstd_rescaled(sc[0], scale,
+      group_allreduce<1>(ss, pos, red, parity);
+      return ss[0];
+    };
+    const acc_t ss = sum_squares(store, acc_t(1));
+    const bool rescale = store && math::row_needs_rescale(ss, acc_t(0), p.norm_eps);
+    const acc_t scale = rescale ? math::rescale_factor(ss) : acc_t(1);
+    const acc_t sc = sum_squares(rescale, scale);
+    const acc_t r = rescale ? math::out_norm_rstd_rescaled(sc, scale,
                                                            static_cast<int64_t>(pos.D), p.norm_eps)
-                            : math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
+                            : math::rstd_from_sumsq(ss, pos.D, p.norm_eps);
     if (store) {
 #pragma unroll 1
       for (int k = 0; k < VPT; ++k) {
