@@ -715,38 +715,30 @@ __device__ __forceinline__ int forward_store_token_normed(
     at::opmath_type<scalar_t>* red, int parity) {
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t f = sm.out_factor();
-  acc_t ss[1] = {acc_t(0)};
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int c = (k * pos.G + pos.lane) * VEC;
-    if (c < pos.D) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const acc_t h = norm_input<scalar_t>(acc[k][e] * f);
-        ss[0] += h * h;
-      }
-    }
-  }
-  group_allreduce<1>(ss, pos, red, parity);
-  acc_t r = math::rstd_from_sumsq(ss[0], pos.D, p.norm_eps);
-  const bool rescale = math::row_needs_rescale(ss[0], acc_t(0), p.norm_eps);
-  if (reduction_peers_any(rescale, pos, p.tokens_per_cta)) {
-    const acc_t scale = rescale ? math::rescale_factor(ss[0]) : acc_t(1);
-    acc_t sc[1] = {acc_t(0)};
+  auto h_at = [&](int k, int e) { return norm_input<scalar_t>(acc[k][e] * f); };
+  // sum((h scale)^2) over the group (scale 1: x * 1 is x, folded away).
+  auto sum_squares = [&](acc_t scale) {
+    acc_t ss[1] = {acc_t(0)};
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int c = (k * pos.G + pos.lane) * VEC;
-      if (c < pos.D) {
+      if ((k * pos.G + pos.lane) * VEC >= pos.D) continue;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const acc_t x = norm_input<scalar_t>(acc[k][e] * f) * scale;
-          sc[0] += x * x;
-        }
+      for (int e = 0; e < VEC; ++e) {
+        const acc_t x = h_at(k, e) * scale;
+        ss[0] += x * x;
       }
     }
-    group_allreduce<1>(sc, pos, red, parity);
+    group_allreduce<1>(ss, pos, red, parity);
+    return ss[0];
+  };
+  const acc_t ss = sum_squares(acc_t(1));
+  acc_t r = math::rstd_from_sumsq(ss, pos.D, p.norm_eps);
+  const bool rescale = math::row_needs_rescale(ss, acc_t(0), p.norm_eps);
+  if (reduction_peers_any(rescale, pos, p.tokens_per_cta)) {
+    const acc_t scale = rescale ? math::rescale_factor(ss) : acc_t(1);
+    const acc_t sc = sum_squares(scale);
     if (rescale) {
-      r = math::out_norm_rstd_rescaled(sc[0], scale, static_cast<int64_t>(pos.D), p.norm_eps);
+      r = math::out_norm_rstd_rescaled(sc, scale, static_cast<int64_t>(pos.D), p.norm_eps);
     }
   }
   if (store) {
@@ -756,7 +748,7 @@ __device__ __forceinline__ int forward_store_token_normed(
       if (c < pos.D) {
         acc_t h[VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) h[e] = norm_input<scalar_t>(acc[k][e] * f);
+        for (int e = 0; e < VEC; ++e) h[e] = h_at(k, e);
         forward_store_normed_pack<scalar_t, VEC>(p, t, pos.D, c, h, r);
       }
     }
