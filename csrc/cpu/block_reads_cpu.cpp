@@ -298,7 +298,7 @@ void block_reads_forward_impl(const BlockReadsForwardCall& call) {
         }
         // Sweep 2, from L2: y_s = sum_i a_{s,i} v_i, kGroup readers a sweep.
         for (int64_t i = 0; i < N; ++i) rows[i] = src[i].row(t);
-        if (norm.h) out_rows[0] = norm.h + t * D;
+        if (norm.h) out_rows[0] = norm.h_row(t, D);
         rows_weighted_sum_many(out_rows.data(), rows.data(), w.data(), S, N, D);
         if (rescued[k]) {
           // Rows near the dtype's limits: each y_s again, kept finite (an
@@ -460,7 +460,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
   // norm's rstd (row_normed_grad); dy_0 * n goes to the chunk's partial row
   // of the out_weight gradient (fixed-order sum, as z).
   const OutNormBackward* norm = has_dy ? call.out_norm : nullptr;
-  const OutNormGrad<scalar_t> norm_grad(norm, call.h);
+  const OutNormGradRows<scalar_t> norm_grad(norm, call.h);
   const bool want_dw = norm_grad.want_dw;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
 
@@ -489,7 +489,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
       const int64_t t_end = std::min(T, (c + 1) * chunks.size);
       for (int64_t t = c * chunks.size; t < t_end; ++t) {
         for (int64_t s = 0; s < S && has_dy; ++s) {
-          if (s == 0 && norm) {
+          if (s == 0 && norm_grad) {
             norm_grad.grad(dy.data(), t, dy_src[0].row(t), dw, D);
           } else {
             row_load(dy.data() + s * D, dy_src[s].row(t), D);
@@ -768,7 +768,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   // dy * n goes to the chunk's partial row of the out_weight gradient, so
   // that gradient is summed in a fixed order too.
   const OutNormBackward* norm = call.out_norm;
-  const OutNormGrad<scalar_t> norm_grad(norm, call.h);
+  const OutNormGradRows<scalar_t> norm_grad(norm, call.h);
   const bool want_dw = norm_grad.want_dw;
   std::vector<acc_t> dw_partial(want_dw ? chunks.count * D : 0, acc_t(0));
   // The prefix add's P' gradient, added to the token's dP row while in L1.
@@ -778,7 +778,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
   // Each token reads dh, y and P.
   const int64_t grain = parallel_grain(chunks.size * 3 * D);
   at::parallel_for(0, chunks.count, grain, [&](int64_t c_begin, int64_t c_end) {
-    std::vector<acc_t> dh_buf(norm ? D : 0);
+    std::vector<acc_t> dh_buf(norm_grad ? D : 0);
     for (int64_t c = c_begin; c < c_end; ++c) {
       acc_t* z = want_z ? partial.data() + c * D : nullptr;
       acc_t* dw = want_dw ? dw_partial.data() + c * D : nullptr;
@@ -787,7 +787,7 @@ void merge_backward_impl(const MergeBackwardCall& call) {
         scalar_t* dy = dy_p ? dy_p + t * D : nullptr;
         scalar_t* dP = dP_p ? dP_p + t * D : nullptr;
         double* dlse = dlse_p ? dlse_p + t : nullptr;
-        if (norm) {
+        if (norm_grad) {
           norm_grad.grad(dh_buf.data(), t, dh_rows.row(t), dw, D);
           merge_token_grad(static_cast<const acc_t*>(dh_buf.data()), y_rows.row(t),
                            p_rows.row(t), u, w_p[t], rstd_p[t], D, dy, dlse, dP, z);

@@ -20,8 +20,8 @@
 #include "attnres/depth_math.h"
 #include "attnres/row_layout.h"
 #include "kernels_cpu.h"
-#include "out_norm_rows.h"  // row_normed_store, row_normed_grad
-#include "vec_rows.h"  // Lanes, hsum, kPrefetchBytes (and <immintrin.h> with AVX2)
+#include "out_norm_rows.h"  // OutNormStore, OutNormGradRows
+#include "vec_rows.h"  // Lanes, hsum, kPrefetchBytes, RowsOf, pivoted_sum (and <immintrin.h> with AVX2)
 
 namespace attnres {
 namespace cpu {
@@ -564,7 +564,7 @@ template <typename scalar_t>
 struct IncomingGrad {
   using acc_t = at::opmath_type<scalar_t>;
   RowsOf<scalar_t> dy;
-  OutNormGrad<scalar_t> norm;  // h is the call's out
+  OutNormGradRows<scalar_t> norm;  // h is the call's out
   int64_t D;
 
   explicit IncomingGrad(const BackwardCall& call)
@@ -580,8 +580,8 @@ struct IncomingGrad {
 
 // A backward call as both backwards take it: its sizes and saved tensors,
 // the incoming gradient, the source-gradient rows to write, and the token
-// chunks with their partial rows of z and of the norm weight's gradient
-// (summed by finish). The dtype picks single_pass or two_pass (below).
+// chunks with their partial rows of z and of the norm weight's gradient.
+// run() takes the dtype's pass, single_pass or two_pass (below).
 template <typename scalar_t>
 struct Backward {
   using acc_t = at::opmath_type<scalar_t>;
@@ -611,16 +611,21 @@ struct Backward {
 
   Backward(const BackwardCall& call_, const SourceRows<scalar_t>& src_)
       : call(call_), src(src_) {}
-  void single_pass();
-  void two_pass();
-  void backward_token_wide(int64_t t, const acc_t* dh, acc_t* z) const;
-  // The chunks' partial rows, summed in a fixed order.
-  void finish() const {
+  // The dtype's pass, then the chunks' partial rows summed in a fixed order.
+  void run() {
+    if constexpr (Lanes<scalar_t>::kReduced) {
+      two_pass();
+    } else {
+      single_pass();
+    }
     if (want_z) sum_chunk_partials(partial, n_chunks, D, call.z.data_ptr<acc_t>());
     if (incoming.norm.want_dw) {
       sum_chunk_partials(partial_dw, n_chunks, D, call.out_norm->grad_weight.data_ptr<acc_t>());
     }
   }
+  void single_pass();
+  void two_pass();
+  void backward_token_wide(int64_t t, const acc_t* dh, acc_t* z) const;
 };
 
 // The backward of one token in math::WideType (double for fp32
@@ -932,13 +937,7 @@ void backward(const BackwardCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, call.sources[0].scalar_type(), "attnres_backward_cpu", [&] {
         SourceRows<scalar_t> src(call.sources);
-        Backward<scalar_t> b(call, src);
-        if constexpr (Lanes<scalar_t>::kReduced) {
-          b.two_pass();
-        } else {
-          b.single_pass();
-        }
-        b.finish();
+        Backward<scalar_t>(call, src).run();
       });
 }
 

@@ -1,6 +1,6 @@
 // The fused output norm's row epilogue and prologue (docs/design.md §11),
 // and its call's tensors as the kernels take them (OutNormStore,
-// OutNormGrad), shared by the one-call kernels (kernels_cpu.cpp) and the
+// OutNormGradRows), shared by the one-call kernels (kernels_cpu.cpp) and the
 // Block reads (block_reads_cpu.cpp). Like vec_rows.h, only for the files
 // built with the vector ISA flags: an anonymous namespace gives each its
 // own copy.
@@ -141,8 +141,8 @@ void row_normed_grad(acc_t* dh, const scalar_t* dy, const scalar_t* h, const acc
   }
 }
 
-// The fused output norm of a forward (OutNormForward) as pointers, all
-// null without it (then false): the norm's weight, eps, the r per token to
+// The fused output norm of a forward (OutNormForward) as pointers, null
+// without it (then false): the norm's weight and eps, the r per token to
 // set, and the h to keep (null: not kept).
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
 struct OutNormStore {
@@ -150,17 +150,15 @@ struct OutNormStore {
   acc_t eps = 0;
   acc_t* rstd = nullptr;
   scalar_t* h = nullptr;
-  bool on = false;
 
   explicit OutNormStore(const OutNormForward* norm) {
     if (!norm) return;
-    on = true;
     w = norm->weight.const_data_ptr<acc_t>();
     eps = static_cast<acc_t>(norm->eps);
     rstd = norm->rstd.data_ptr<acc_t>();
     if (norm->h.defined()) h = norm->h.data_ptr<scalar_t>();
   }
-  explicit operator bool() const { return on; }
+  explicit operator bool() const { return w != nullptr; }
   // Token t's row of the kept h, or null.
   scalar_t* h_row(int64_t t, int64_t D) const { return h ? h + t * D : nullptr; }
   // Token t's y row (and h_out where set) from its accumulator row, and
@@ -175,13 +173,13 @@ struct OutNormStore {
 // pointers, empty without it (then false): the forward's h (any strides),
 // the norm's weight and the forward's r per token.
 template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
-struct OutNormGrad {
+struct OutNormGradRows {
   std::optional<RowsOf<scalar_t>> h;
   const acc_t* w = nullptr;
   const acc_t* r = nullptr;
   bool want_dw = false;  // the weight's gradient is to be set
 
-  OutNormGrad(const OutNormBackward* norm, const at::Tensor* h_saved) {
+  OutNormGradRows(const OutNormBackward* norm, const at::Tensor* h_saved) {
     if (!norm) return;
     h.emplace(*h_saved);
     w = norm->weight.const_data_ptr<acc_t>();

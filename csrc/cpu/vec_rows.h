@@ -159,7 +159,7 @@ struct PivotedSum {
 };
 template <typename sum_t, typename Weight, typename Dp>
 PivotedSum<sum_t> pivoted_sum(int64_t N, const Weight& weight, const Dp& dp) {
-  math::Pivot<decltype(weight(int64_t(0)))> pivot;
+  math::Pivot<std::decay_t<decltype(weight(int64_t(0)))>> pivot;  // the weights' own type
   for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
   const int64_t piv = pivot.pivoted() ? pivot.index : -1;
   const sum_t dp_piv = piv >= 0 ? dp(piv) : sum_t(0);

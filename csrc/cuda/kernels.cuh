@@ -349,8 +349,10 @@ __device__ __forceinline__ void warp_allreduce(T (&v)[NV], int G) {
 }
 
 // The cross-warp step of a group reduction (G > 32): lane 0 of each warp
-// writes its NV partials to `buf` (kStride values a warp), and every thread
-// adds its group's warps in warp order.
+// writes its NV partials to `buf` (kStride values a warp), a CTA barrier,
+// and every thread adds its group's warps in warp order. Every thread of the
+// CTA calls it; the caller keeps `buf` free of earlier readers (a parity
+// buffer, or a barrier before).
 template <int kStride, typename T, int NV, int kGroup>
 __device__ __forceinline__ void cross_warp_sum(T (&v)[NV], const ThreadPlace<kGroup>& pos,
                                                T* buf) {
