@@ -407,7 +407,7 @@ void block_reads_token_wide(const std::vector<RowsOf<scalar_t>>& src, int64_t t,
   for (int64_t s = 0; s < S; ++s) {
     auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
     // The pivot is taken on the acc_t weights, as in the fast path.
-    auto [dp_piv, sum_rel] = pivoted_sum<W>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
+    auto [dp_piv, sum_rel] = math::pivoted_sum<W>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
     if (dlse_p) sum_rel -= static_cast<W>(dlse_p[s * T + t]);
     for (int64_t i = 0; i < N; ++i) {
       const auto g = math::source_grad_coefficients<W>(
@@ -514,7 +514,7 @@ void block_reads_backward_impl(const BlockReadsBackwardCall& call) {
         for (int64_t s = 0; s < S; ++s) {
           auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
           auto [dp_piv, sum_rel] =
-              pivoted_sum<acc_t>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
+              math::pivoted_sum<acc_t>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
           if (dlse_p) sum_rel -= static_cast<acc_t>(dlse_p[s * T + t]);  // inf: a rare token
           for (int64_t i = 0; i < N; ++i) {
             const acc_t a = weight(i), r = rstd_p[i * T + t], dp_rel = dp[s * N + i] - dp_piv;

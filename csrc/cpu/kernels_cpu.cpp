@@ -21,7 +21,7 @@
 #include "attnres/row_layout.h"
 #include "kernels_cpu.h"
 #include "out_norm_rows.h"  // OutNormStore, OutNormGradRows
-#include "vec_rows.h"  // Lanes, hsum, kPrefetchBytes, RowsOf, pivoted_sum (and <immintrin.h> with AVX2)
+#include "vec_rows.h"  // Lanes, hsum, kPrefetchBytes, RowsOf (and <immintrin.h> with AVX2)
 
 namespace attnres {
 namespace cpu {
@@ -649,7 +649,7 @@ void Backward<scalar_t>::backward_token_wide(int64_t t, const acc_t* dh, acc_t* 
     sc[i] = math::score(static_cast<W>(rstd_p[i * T + t]), dot_u);
   }
   // The pivoted form when a weight dominates (depth_math.h).
-  const auto [dp_pivot, sum_rel] = pivoted_sum<W>(N, [&](int64_t j) { return w_p[j * T + t]; },
+  const auto [dp_pivot, sum_rel] = math::pivoted_sum<W>(N, [&](int64_t j) { return w_p[j * T + t]; },
                                                    [&](int64_t j) { return dp[j]; });
   for (int64_t i = 0; i < N; ++i) {
     if (!dv_p[i] && !z) continue;
@@ -877,7 +877,7 @@ void Backward<scalar_t>::two_pass() {
         // (depth_math.h; otherwise the plain sum, pivot dp 0).
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
-          const auto sum = pivoted_sum<acc_t>(N, [&](int64_t j) { return w_p[j * T + t]; },
+          const auto sum = math::pivoted_sum<acc_t>(N, [&](int64_t j) { return w_p[j * T + t]; },
                                               [&](int64_t j) { return dp[j * tile + k]; });
           dp_pivot[k] = sum.dp_pivot;
           sum_rel[k] = sum.rel;

@@ -148,28 +148,6 @@ void row_average_kept_finite(acc_t* out, const scalar_t* const* rows, const acc_
   }
 }
 
-// The sum of a token's weighted dp_j in the pivoted form (depth_math.h):
-// with p the pivot of the weights a_j = weight(j) (math::Pivot on the
-// accumulation-dtype weights) where one dominates, rel = sum_{j != p}
-// a_j (dp_j - dp_p); elsewhere the plain sum and dp_p = 0. In sum_t: the
-// accumulation dtype, or math::WideType for the rare tokens.
-template <typename sum_t>
-struct PivotedSum {
-  sum_t dp_pivot, rel;
-};
-template <typename sum_t, typename Weight, typename Dp>
-PivotedSum<sum_t> pivoted_sum(int64_t N, const Weight& weight, const Dp& dp) {
-  math::Pivot<std::decay_t<decltype(weight(int64_t(0)))>> pivot;  // the weights' own type
-  for (int64_t i = 0; i < N; ++i) pivot.see(i, weight(i));
-  const int64_t piv = pivot.pivoted() ? pivot.index : -1;
-  const sum_t dp_piv = piv >= 0 ? dp(piv) : sum_t(0);
-  sum_t rel = 0;
-  for (int64_t j = 0; j < N; ++j) {
-    if (j != piv) rel += static_cast<sum_t>(weight(j)) * (dp(j) - dp_piv);
-  }
-  return {dp_piv, rel};
-}
-
 // Rows of a tensor [..., D] (strided rows used in place; as_rows copies the
 // layouts that do not collapse).
 template <typename scalar_t>

@@ -670,16 +670,8 @@ __device__ __forceinline__ bool reads_bwd_coefficients(const BlockReadsBackwardP
   for (int s = lane; s < S; s += 32) {
     const acc_t* w = p.weights + static_cast<int64_t>(s) * N * T + t;  // w[i * T]: a_{s,i}
     const int64_t row = static_cast<int64_t>(s) * N;                   // reader s in the scratch
-    math::Pivot<acc_t> pivot;  // on the acc_t weights, as the CPU
-    for (int i = 0; i < N; ++i) pivot.see(i, w[static_cast<int64_t>(i) * T]);
-    const int piv = pivot.pivoted() ? static_cast<int>(pivot.index) : -1;
-    const sum_t dp_piv = piv >= 0 ? dot[row + piv] : sum_t(0);
-    sum_t sum_rel = sum_t(0);
-    for (int j = 0; j < N; ++j) {
-      if (j != piv) {
-        sum_rel += static_cast<sum_t>(w[static_cast<int64_t>(j) * T]) * (dot[row + j] - dp_piv);
-      }
-    }
+    auto [dp_piv, sum_rel] = math::pivoted_sum<sum_t>(  // on the acc_t weights, as the CPU
+        N, [&](int64_t i) { return w[i * T]; }, [&](int64_t j) { return dot[row + j]; });
     if (p.grad_lse) sum_rel -= static_cast<sum_t>(p.grad_lse[static_cast<int64_t>(s) * T + t]);
     for (int i = 0; i < N; ++i) {
       const int64_t at_si = row + i;

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define ATTNRES_HD __host__ __device__ __forceinline__
@@ -278,6 +279,28 @@ struct Pivot {
   // more dot product per row, docs/design.md §8).
   ATTNRES_HD bool saturated() const { return weight > acc_t(1) - acc_t(1) / acc_t(16); }
 };
+
+// The sum of a token's weighted dp_j in the pivoted form: with p the pivot
+// of the weights a_j = weight(j) (Pivot, in the weights' own type: the
+// accumulation dtype) where one dominates, rel = sum_{j != p} a_j (dp_j -
+// dp_p); elsewhere the plain sum and dp_p = 0. In sum_t: the accumulation
+// dtype, or WideType for the rare tokens.
+template <typename sum_t>
+struct PivotedSum {
+  sum_t dp_pivot, rel;
+};
+template <typename sum_t, typename Index, typename Weight, typename Dp>
+ATTNRES_HD PivotedSum<sum_t> pivoted_sum(Index N, const Weight& weight, const Dp& dp) {
+  Pivot<std::decay_t<decltype(weight(Index(0)))>> pivot;
+  for (Index i = 0; i < N; ++i) pivot.see(i, weight(i));
+  const Index piv = pivot.pivoted() ? static_cast<Index>(pivot.index) : Index(-1);
+  const sum_t dp_piv = piv >= 0 ? dp(piv) : sum_t(0);
+  sum_t rel = sum_t(0);
+  for (Index j = 0; j < N; ++j) {
+    if (j != piv) rel += static_cast<sum_t>(weight(j)) * (dp(j) - dp_piv);
+  }
+  return {dp_piv, rel};
+}
 
 // Elementwise source gradient (works on Vectorized too).
 template <typename T>
