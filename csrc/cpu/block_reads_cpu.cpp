@@ -407,7 +407,8 @@ void block_reads_token_wide(const std::vector<RowsOf<scalar_t>>& src, int64_t t,
   for (int64_t s = 0; s < S; ++s) {
     auto weight = [&](int64_t i) { return w_p[(s * N + i) * T + t]; };
     // The pivot is taken on the acc_t weights, as in the fast path.
-    auto [dp_piv, sum_rel] = math::pivoted_sum<W>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
+    auto [dp_piv, sum_rel] =
+        math::pivoted_sum<W>(N, weight, [&](int64_t j) { return dp[s * N + j]; });
     if (dlse_p) sum_rel -= static_cast<W>(dlse_p[s * T + t]);
     for (int64_t i = 0; i < N; ++i) {
       const auto g = math::source_grad_coefficients<W>(

@@ -649,8 +649,8 @@ void Backward<scalar_t>::backward_token_wide(int64_t t, const acc_t* dh, acc_t* 
     sc[i] = math::score(static_cast<W>(rstd_p[i * T + t]), dot_u);
   }
   // The pivoted form when a weight dominates (depth_math.h).
-  const auto [dp_pivot, sum_rel] = math::pivoted_sum<W>(N, [&](int64_t j) { return w_p[j * T + t]; },
-                                                   [&](int64_t j) { return dp[j]; });
+  const auto [dp_pivot, sum_rel] = math::pivoted_sum<W>(
+      N, [&](int64_t j) { return w_p[j * T + t]; }, [&](int64_t j) { return dp[j]; });
   for (int64_t i = 0; i < N; ++i) {
     if (!dv_p[i] && !z) continue;
     const scalar_t* v = src.row(i, t);
@@ -878,7 +878,7 @@ void Backward<scalar_t>::two_pass() {
         for (int64_t k = 0; k < n_tok; ++k) {
           const int64_t t = t0 + k;
           const auto sum = math::pivoted_sum<acc_t>(N, [&](int64_t j) { return w_p[j * T + t]; },
-                                              [&](int64_t j) { return dp[j * tile + k]; });
+                                                    [&](int64_t j) { return dp[j * tile + k]; });
           dp_pivot[k] = sum.dp_pivot;
           sum_rel[k] = sum.rel;
           rare[k] = 0;
