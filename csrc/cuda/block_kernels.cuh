@@ -508,6 +508,34 @@ __device__ ATTNRES_NOINLINE void merge_bwd_token_wide(const MergeBackwardParams<
                                            dw_row, started);
 }
 
+// The fused output norm's c = <dy w, h r_o> / D of one token, a warp's
+// lanes striding over D (every lane gets the sum). kDw (the reads backward):
+// also dw_row += dy n, n = h r_o (a warp's first token writing the row);
+// the merge backward adds its dw in its sweep instead.
+template <typename scalar_t, int VEC, bool kDw>
+__device__ __forceinline__ at::opmath_type<scalar_t> fused_norm_c(
+    const scalar_t* g, const scalar_t* h, at::opmath_type<scalar_t> nr,
+    const at::opmath_type<scalar_t>* norm_weight, int D, int lane,
+    at::opmath_type<scalar_t>* dw_row, bool started) {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t c[1] = {acc_t(0)};
+  for (int j = lane * VEC; j < D; j += 32 * VEC) {
+    const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
+    const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(h + j);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t ge = static_cast<acc_t>(gv.x[e]);
+      const acc_t n = static_cast<acc_t>(hv.x[e]) * nr;
+      c[0] += (ge * norm_weight[j + e]) * n;
+      if constexpr (kDw) {
+        if (dw_row) dw_row[j + e] = started ? dw_row[j + e] + ge * n : ge * n;
+      }
+    }
+  }
+  warp_allreduce<32>(c, 32);
+  return c[0] / static_cast<acc_t>(D);
+}
+
 // Phase 2's backward: one warp a token (grid-stride), each warp summing its
 // tokens' alpha P (and dy n) into its own partial row, so the rows' fixed-
 // order sum gives the same bits every run.
@@ -530,18 +558,7 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     acc_t nr = acc_t(0), nc = acc_t(0);
     if constexpr (kNorm) {
       nr = p.norm_rstd[t];
-      acc_t c[1] = {acc_t(0)};
-      for (int j = lane * VEC; j < D; j += 32 * VEC) {
-        const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g + j);
-        const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(h + j);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          c[0] += (static_cast<acc_t>(gv.x[e]) * p.norm_weight[j + e]) *
-                  (static_cast<acc_t>(hv.x[e]) * nr);
-        }
-      }
-      warp_allreduce<32>(c, 32);
-      nc = c[0] / static_cast<acc_t>(D);
+      nc = fused_norm_c<scalar_t, VEC, false>(g, h, nr, p.norm_weight, D, lane, nullptr, false);
     }
     acc_t sums[2];
     merge_bwd_dots<scalar_t, VEC, kNorm>(p, t, nr, nc, sums);
@@ -795,22 +812,9 @@ __global__ void __launch_bounds__(kBlockReadThreads)
     acc_t nr = acc_t(0), nc = acc_t(0);
     if (p.h && p.has_dy) {
       nr = p.norm_rstd[t];
-      const scalar_t* g0 = source_row<scalar_t>(p.dy_table, p.dy_overflow, 0, t);
-      const scalar_t* h0 = p.h + t * p.h_stride;
-      acc_t c[1] = {acc_t(0)};
-      for (int j = lane * VEC; j < D; j += 32 * VEC) {
-        const Pack<scalar_t, VEC> gv = load_global<scalar_t, VEC>(g0 + j);
-        const Pack<scalar_t, VEC> hv = load_global<scalar_t, VEC>(h0 + j);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const acc_t ge = static_cast<acc_t>(gv.x[e]);
-          const acc_t n = static_cast<acc_t>(hv.x[e]) * nr;
-          c[0] += (ge * p.norm_weight[j + e]) * n;
-          if (dw_row) dw_row[j + e] = started ? dw_row[j + e] + ge * n : ge * n;
-        }
-      }
-      warp_allreduce<32>(c, 32);
-      nc = c[0] / static_cast<acc_t>(D);
+      nc = fused_norm_c<scalar_t, VEC, true>(source_row<scalar_t>(p.dy_table, p.dy_overflow, 0, t),
+                                             p.h + t * p.h_stride, nr, p.norm_weight, D, lane,
+                                             dw_row, started);
     }
     reads_bwd_dots<scalar_t, VEC, acc_t>(p, t, nr, nc, dot, coef);
     const bool rare = reads_bwd_coefficients<scalar_t, acc_t>(p, t, dot, coef, beta);
