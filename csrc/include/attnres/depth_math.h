@@ -284,7 +284,8 @@ struct Pivot {
 // of the weights a_j = weight(j) (Pivot, in the weights' own type: the
 // accumulation dtype) where one dominates, rel = sum_{j != p} a_j (dp_j -
 // dp_p); elsewhere the plain sum and dp_p = 0. In sum_t: the accumulation
-// dtype, or WideType for the rare tokens.
+// dtype, or WideType for the rare tokens. The loops count in the caller's
+// Index type (int in the CUDA warp code, where int64_t took stack space).
 template <typename sum_t>
 struct PivotedSum {
   sum_t dp_pivot, rel;
